@@ -1,0 +1,311 @@
+"""Run configuration: a typed schema with defaults, YAML files and dotted command-line overrides.
+
+    python train_ppo.py --config configs/quickstart.yaml actor.optim.lr=1e-6 placement.mode=split
+
+Every field has a default. `load_config` checks keys and types; `check_world` checks what depends on the world
+size and the model files (pool sizes, tensor-parallel degrees). A mistake raises `ConfigError`, which the entry points
+turn into one message and exit code 2 on every rank before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+import yaml
+
+ROLES = ("actor", "critic", "reference", "reward")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: the message names the key, the value and what would be valid."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schema
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    total_steps: int = 10
+    epochs: int | None = None  # when set, overrides total_steps: passes over the training prompts
+    log_every: int = 1
+    eval_every: int = 0  # 0: evaluate only at the start and the end
+    save_every: int = 0  # 0: no periodic checkpoints
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    tensorboard: bool = True
+
+
+@dataclass
+class DistributedConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPU, gloo on CPU
+    timeout_s: int = 600
+
+
+@dataclass
+class PoolConfig:
+    name: str = ""
+    size: int = 1  # number of ranks
+    roles: list[str] = field(default_factory=list)
+    tp: int = 1
+    dp_replicate: int = 1  # dp_shard is derived: size / (tp * dp_replicate)
+
+
+@dataclass
+class PlacementConfig:
+    mode: Literal["colocate", "split"] = "colocate"
+    # colocate: one pool of all ranks hosting every role, with these degrees
+    tp: int = 1
+    dp_replicate: int = 1
+    # split: the pools, in rank order (the first pool takes ranks 0..size-1, and so on)
+    pools: list[PoolConfig] = field(default_factory=list)
+
+
+@dataclass
+class FSDPConfig:
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    tokenizer_path: str | None = None  # default: the model path
+    trust_remote_code: bool = False
+
+
+@dataclass
+class FoundationSmokeConfig:
+    """The sharded forward/backward smoke run by train_ppo.py until the PPO loop lands."""
+
+    batch_size: int = 4
+    seq_len: int = 32
+    steps: int = 2
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    smoke: FoundationSmokeConfig = field(default_factory=FoundationSmokeConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading: YAML + overrides -> typed dataclasses
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML file (or nothing: all defaults), apply `a.b.c=value` overrides, and build the typed `Config`."""
+    raw: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config: file not found: {path!r}")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        _apply_override(raw, item)
+    return build(Config, raw, "")
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. actor.optim.lr=1e-6")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def build(cls, raw, prefix: str):
+    """Build dataclass `cls` from a mapping, checking unknown keys (with a suggestion) and types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys here: {', '.join(names)}"
+            raise ConfigError(f"unknown key {where!r}{hint}")
+        kwargs[key] = _coerce(hints[key], value, where)
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value if value is not None else {}, where + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        assert len(inner) == 1, f"schema: only Optional[X] unions are supported ({where})"
+        return _coerce(inner[0], value, where)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}={value!r}: must be one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}={value!r}: expected a list")
+        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r}: expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}={value!r}: expected an integer")
+        return value
+    if tp is float:
+        # YAML reads 1e-6 (no dot) as a string; accept numbers in any spelling
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r}: expected a string")
+        return value
+    raise AssertionError(f"schema: unsupported type {tp} at {where}")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks that need the world size or the model files
+
+
+def pools_of(cfg: Config, world_size: int) -> list[PoolConfig]:
+    """The pools of the run: one of all ranks for colocate, the configured ones for split."""
+    p = cfg.placement
+    if p.mode == "colocate":
+        if p.pools:
+            raise ConfigError("placement.pools is for placement.mode=split; colocate uses placement.tp / dp_replicate")
+        return [PoolConfig(name="all", size=world_size, roles=list(ROLES), tp=p.tp, dp_replicate=p.dp_replicate)]
+    return p.pools
+
+
+def check_world(cfg: Config, world_size: int, needed_roles=ROLES) -> None:
+    """Check the placement against the world size and the tensor-parallel degrees against the model's heads."""
+    pools = pools_of(cfg, world_size)
+    if cfg.placement.mode == "split":
+        if not pools:
+            raise ConfigError("placement.mode=split needs placement.pools: a list of {name, size, roles, tp}")
+        total = sum(pool.size for pool in pools)
+        if total != world_size:
+            sizes = " + ".join(f"{pool.name or i}={pool.size}" for i, pool in enumerate(pools))
+            raise ConfigError(
+                f"placement.pools: pool sizes add up to {total} ({sizes}) but the world size is {world_size}; "
+                f"make them add up to {world_size}"
+            )
+    seen: dict[str, int] = {}
+    for i, pool in enumerate(pools):
+        where = f"placement.pools[{i}]" if cfg.placement.mode == "split" else "placement"
+        if pool.size < 1:
+            raise ConfigError(f"{where}.size={pool.size}: must be >= 1")
+        for role in pool.roles:
+            if role not in ROLES:
+                raise ConfigError(f"{where}.roles: unknown role {role!r}; valid roles: {', '.join(ROLES)}")
+            if role in seen:
+                raise ConfigError(f"{where}.roles: role {role!r} is already hosted by pool {seen[role]}")
+            seen[role] = i
+        for axis in ("tp", "dp_replicate"):
+            degree = getattr(pool, axis)
+            if degree < 1 or pool.size % degree:
+                valid = [d for d in range(1, pool.size + 1) if pool.size % d == 0]
+                raise ConfigError(f"{where}.{axis}={degree}: must divide the pool size {pool.size}; valid: {valid}")
+        if pool.size % (pool.tp * pool.dp_replicate):
+            raise ConfigError(
+                f"{where}: tp={pool.tp} x dp_replicate={pool.dp_replicate} must divide the pool size {pool.size}"
+            )
+        if pool.tp > 1:
+            _check_tp_heads(cfg, pool.tp, f"{where}.tp")
+    missing = [r for r in needed_roles if r not in seen]
+    if missing:
+        raise ConfigError(f"placement: no pool hosts the role(s) {', '.join(missing)}; add them to a pool's roles")
+
+
+def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:
+    path = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.path={cfg.model.path!r}: no config.json there (needed to check {where})")
+    with open(path) as f:
+        arch = json.load(f)
+    heads = arch.get("num_attention_heads")
+    kv_heads = arch.get("num_key_value_heads", heads)
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if n is None or n % tp:
+            valid = [d for d in range(1, (n or 1) + 1) if n and n % d == 0]
+            raise ConfigError(f"{where}={tp}: must divide the model's {name}={n}; valid: {valid}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry-point helper
+
+
+def parse_or_exit(argv: list[str], world_size: int, rank: int, needed_roles=ROLES) -> Config:
+    """`--config PATH [key=value ...]` -> a checked Config. On a mistake, rank 0 prints one line and every rank
+    exits with code 2, before any process group or model exists."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description="meshrl: PPO/GRPO on DeviceMesh pools")
+    parser.add_argument("--config", help="YAML run config (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_world(cfg, world_size, needed_roles)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return cfg

@@ -1,0 +1,65 @@
+"""Process-group start-up for `torchrun` (any world size) and for plain `python` (a world of one)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment, or a world of one."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 600, device: str = "auto") -> DistInfo:
+    """Start the default process group: NCCL on GPU, gloo on CPU, unless `backend` says otherwise.
+
+    Under torchrun the rendezvous comes from the environment; under plain `python` a world of one uses an
+    in-memory store, so no port is opened.
+    """
+    rank, world_size, local_rank = env_world()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError("distributed.backend=nccl needs GPUs; use gloo (or auto) on CPU")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            kwargs = {"device_id": dev} if backend == "nccl" else {}
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
+        else:
+            if world_size != 1:
+                raise ValueError(f"WORLD_SIZE={world_size} without MASTER_ADDR: launch with torchrun")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,40 @@
+"""FSDP2 for HF models: `fully_shard` each decoder block, then the root (embeddings, final norm, heads)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from parallel.layout import Pool
+from parallel.tp import apply_tp, decoder_layers
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_model(model: nn.Module, pool: Pool, fsdp_cfg, train: bool = True) -> nn.Module:
+    """Tensor-parallel (when pool.tp > 1) then FSDP2 over the pool's data-parallel axes, in place.
+
+    HSDP when pool.dp_replicate > 1: shards inside a (dp_shard) group, replicas across (dp_replicate).
+    `fsdp_cfg` is config.FSDPConfig. Frozen models (reference, reward) pass train=False: no activation checkpointing.
+    """
+    apply_tp(model, pool.mesh["tp"])
+    if fsdp_cfg.activation_checkpointing and train:
+        # HF's own hook: non-reentrant checkpointing of each decoder block, which composes with FSDP2
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = pool.mesh["dp_replicate", "dp_shard"] if pool.dp_replicate > 1 else pool.mesh["dp_shard"]
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=DTYPES[fsdp_cfg.param_dtype], reduce_dtype=DTYPES[fsdp_cfg.reduce_dtype]
+        ),
+        offload_policy=CPUOffloadPolicy() if fsdp_cfg.cpu_offload else OffloadPolicy(),
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=fsdp_cfg.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=fsdp_cfg.reshard_after_forward, **kwargs)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -1,0 +1,42 @@
+"""Shared test helpers: launching torchrun workers and entry points as real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_python(args: list[str], timeout: int = 300, **env) -> subprocess.CompletedProcess:
+    """`python ARGS` from the repository root; output captured."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=run_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun(script_and_args: list[str], nproc: int, timeout: int = 300, extra: list[str] = (), **env):
+    """`torchrun --standalone --nproc_per_node N SCRIPT ARGS`; output captured."""
+    cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra, *script_and_args]
+    return run_python(cmd, timeout=timeout, **env)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture
+def root() -> Path:
+    return ROOT

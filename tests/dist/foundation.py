@@ -1,0 +1,167 @@
+"""Foundation checks under torchrun (4 CPU processes, gloo): layouts, FSDP2 / TP / 2-D / HSDP equivalence with the
+unsharded model, and batch transfer between pools. Launched by tests/test_foundation.py; prints 'PASS <check>'."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from config import FSDPConfig, PoolConfig
+from parallel.distributed import init_distributed
+from parallel.fsdp import shard_model
+from parallel.layout import build_layout
+from parallel.transfer import transfer
+
+
+def tiny_qwen2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def pools(*specs):
+    return [PoolConfig(name=n, size=s, roles=list(r), tp=tp, dp_replicate=rep) for n, s, r, tp, rep in specs]
+
+
+def ranks_of(group):
+    return dist.get_process_group_ranks(group)
+
+
+def check_layouts(rank):
+    colo = build_layout(pools(("all", 4, ["actor", "critic", "reference", "reward"], 1, 1)), "cpu")
+    p = colo.pools[0]
+    assert colo.my_roles == ("actor", "critic", "reference", "reward")
+    assert (p.dp_replicate, p.dp_shard, p.tp, p.dp_size, p.dp_rank) == (1, 4, 1, 4, rank)
+    assert ranks_of(p.dp_group) == [0, 1, 2, 3]
+    assert ranks_of(p.mesh.get_group("dp_shard")) == [0, 1, 2, 3]
+
+    two_d = build_layout(pools(("all", 4, ["actor"], 2, 1)), "cpu").pools[0]
+    assert (two_d.dp_shard, two_d.tp) == (2, 2)
+    assert ranks_of(two_d.mesh.get_group("tp")) == ([0, 1] if rank < 2 else [2, 3])
+    assert ranks_of(two_d.dp_group) == ([0, 2] if rank % 2 == 0 else [1, 3])
+    assert (two_d.dp_rank, two_d.tp_rank) == (rank // 2, rank % 2)
+
+    split = build_layout(pools(("actor", 2, ["actor", "reference"], 1, 1), ("critic", 1, ["critic"], 1, 1),
+                               ("reward", 1, ["reward"], 1, 1)), "cpu")
+    expect = {0: ("actor", "reference"), 1: ("actor", "reference"), 2: ("critic",), 3: ("reward",)}[rank]
+    assert split.my_roles == expect, split.my_roles
+    assert split.hosts("actor") == (rank < 2) and split.hosts("critic") == (rank == 2)
+    assert split.pool_of("reference").ranks == (0, 1)
+    if rank < 2:
+        assert ranks_of(split.pools[0].dp_group) == [0, 1]
+    assert split.pools[1].dp_group is None or rank == 2
+    union = split.union_group(split.pools[0], split.pools[1])
+    assert (union is not None) == (rank in (0, 1, 2))
+    if union is not None:
+        assert ranks_of(union) == [0, 1, 2]
+    return split
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return loss.detach(), grads
+
+
+def check_sharded(rank, name, pool_spec, reference, ids):
+    """Shard a copy of the model over the pool; each dp index takes its rows of `ids`; compare with `reference`."""
+    layout = build_layout(pools(*pool_spec), "cpu")
+    mine = [p for p in layout.pools if p.has(rank)]
+    if not mine:
+        return
+    pool = mine[0]
+    model = shard_model(copy.deepcopy(reference[0]), pool, FSDPConfig(param_dtype="float32"))
+    rows = ids.shape[0] // pool.dp_size
+    local = ids[pool.dp_rank * rows : (pool.dp_rank + 1) * rows]
+    loss, grads = loss_and_grads(model, local)
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=pool.dp_group)
+    ref_loss, ref_grads = reference[1], reference[2]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
+    for key, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{name} {key}: {m}")
+    print(f"rank {rank} PASS {name} loss={loss.item():.6f}", flush=True)
+
+
+def check_transfer(rank, split):
+    """A ragged batch on the 2-rank pool -> the 1-rank pool -> back: same samples, same order, zero padding."""
+    a, b = split.pools[0], split.pools[1]
+    gen = torch.Generator().manual_seed(7)
+    lengths = [torch.randint(1, 9, (n,), generator=gen) for n in (3, 5)]  # shard sizes differ, widths differ
+    shards = []
+    for lens in lengths:
+        width = int(lens.max())
+        ids = torch.randint(1, 100, (len(lens), width), generator=gen)
+        mask = torch.arange(width)[None] < lens[:, None]
+        shards.append({"input_ids": ids * mask, "mask": mask, "lens": lens,
+                       "score": torch.randn(len(lens), generator=gen, dtype=torch.float64)})
+    mine = shards[a.dp_rank_of(rank)] if a.has(rank) else None
+    there = transfer(mine, a, b, split, torch.device("cpu"))
+    if rank == 2:
+        assert there["input_ids"].shape == (8, max(int(lens.max()) for lens in lengths))
+        assert torch.equal(there["lens"], torch.cat(lengths))
+        assert there["mask"].dtype == torch.bool and there["score"].dtype == torch.float64
+    back = transfer(there, b, a, split, torch.device("cpu"))
+    if a.has(rank):
+        # 3 + 5 samples come back balanced over 2 ranks, 4 each, in the original order
+        lo = 4 * a.dp_rank_of(rank)
+        assert torch.equal(back["lens"], torch.cat(lengths)[lo : lo + 4])
+        assert torch.equal(back["score"], torch.cat([s["score"] for s in shards])[lo : lo + 4])
+        rows = [row[: int(n)] for s in shards for row, n in zip(s["input_ids"], s["lens"])]
+        for i in range(4):
+            n = int(back["lens"][i])
+            assert torch.equal(back["input_ids"][i, :n], rows[lo + i])
+            assert not back["input_ids"][i, n:].any() and not back["mask"][i, n:].any()
+    # into a tp=2 pool: both tp peers receive the whole batch; back out, only tp rank 0 sends
+    tp_split = build_layout(pools(("dp", 2, ["actor"], 1, 1), ("tp", 2, ["critic"], 2, 1)), "cpu")
+    a, b = tp_split.pools
+    there = transfer(shards[a.dp_rank_of(rank)] if a.has(rank) else None, a, b, tp_split, torch.device("cpu"))
+    if b.has(rank):
+        assert torch.equal(there["lens"], torch.cat(lengths))
+        there["score"] = there["score"] + b.tp_rank_of(rank)  # tp rank 1's copy must not be the one sent
+    back = transfer(there, b, a, tp_split, torch.device("cpu"))
+    if a.has(rank):
+        lo = 4 * a.dp_rank_of(rank)
+        assert torch.equal(back["score"], torch.cat([s["score"] for s in shards])[lo : lo + 4])
+    print(f"rank {rank} PASS transfer", flush=True)
+
+
+def main():
+    info = init_distributed("gloo", timeout_s=120, device="cpu")
+    rank = info.rank
+    assert info.world_size == 4, "run with --nproc_per_node 4"
+    split = check_layouts(rank)
+    print(f"rank {rank} PASS layouts", flush=True)
+
+    model = tiny_qwen2()
+    ids = torch.randint(0, 96, (8, 12), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), ids)
+    reference = (model, ref_loss, ref_grads)
+    check_sharded(rank, "fsdp4", [("all", 4, ["actor"], 1, 1)], reference, ids)
+    check_sharded(rank, "tp2+fsdp2", [("tp", 2, ["actor"], 2, 1), ("fsdp", 2, ["critic"], 1, 1)], reference, ids)
+    check_sharded(rank, "2d", [("all", 4, ["actor"], 2, 1)], reference, ids)
+    check_sharded(rank, "hsdp", [("all", 4, ["actor"], 1, 2)], reference, ids)
+    check_transfer(rank, split)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.exit(1)

@@ -1,0 +1,97 @@
+"""Config schema, overrides, and the exit-code-2 contract for mistakes (checked on real entry-point processes)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from transformers import Qwen2Config
+
+import config as C
+from conftest import explain, run_python, torchrun
+
+
+def write(tmp_path, data, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, {"run": {"name": "x", "seed": 3}, "optim": {"lr": "1e-5"}})
+    cfg = C.load_config(path, ["optim.lr=2e-6", "placement.mode=split", "fsdp.cpu_offload=true"])
+    assert cfg.run.name == "x" and cfg.run.seed == 3
+    assert cfg.optim.lr == 2e-6 and isinstance(cfg.optim.lr, float)
+    assert cfg.placement.mode == "split" and cfg.fsdp.cpu_offload is True
+    assert cfg.run.total_steps == C.RunConfig().total_steps
+
+
+@pytest.mark.parametrize(
+    "raw, overrides, needle",
+    [
+        ({"run": {"nmae": "x"}}, [], "unknown key 'run.nmae'; did you mean 'run.name'?"),
+        ({"optimm": {}}, [], "did you mean 'optim'?"),
+        ({"run": {"seed": "three"}}, [], "run.seed='three': expected an integer"),
+        ({"run": {"seed": 1.5}}, [], "run.seed=1.5: expected an integer"),
+        ({"fsdp": {"cpu_offload": "yes"}}, [], "fsdp.cpu_offload='yes': expected true or false"),
+        ({}, ["placement.mode=ring"], "placement.mode='ring': must be one of 'colocate', 'split'"),
+        ({}, ["optim.lr"], "expected KEY=VALUE"),
+        ({"placement": {"pools": [{"name": "a", "sise": 2}]}}, [], "did you mean 'placement.pools[0].size'?"),
+    ],
+)
+def test_key_and_type_errors_name_the_key(tmp_path, raw, overrides, needle):
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(write(tmp_path, raw), overrides)
+    assert needle in str(err.value)
+
+
+def model_dir(tmp_path, heads=4, kv_heads=2):
+    path = tmp_path / "model"
+    Qwen2Config(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=32).save_pretrained(path)
+    return str(path)
+
+
+def split_pools(*sizes_tp):
+    roles = [["actor", "reference"], ["critic"], ["reward"]]
+    return [{"name": f"p{i}", "size": s, "roles": roles[i], "tp": tp} for i, (s, tp) in enumerate(sizes_tp)]
+
+
+@pytest.mark.parametrize(
+    "world, placement, needle",
+    [
+        (8, {"mode": "split", "pools": split_pools((4, 1), (2, 1), (1, 1))},
+         "pool sizes add up to 7 (p0=4 + p1=2 + p2=1) but the world size is 8"),
+        (4, {"mode": "colocate", "tp": 3}, "placement.tp=3: must divide the pool size 4; valid: [1, 2, 4]"),
+        (4, {"mode": "colocate", "tp": 4},
+         "placement.tp=4: must divide the model's num_key_value_heads=2; valid: [1, 2]"),
+        (3, {"mode": "split", "pools": split_pools((2, 1), (1, 1))}, "no pool hosts the role(s) reward"),
+        (4, {"mode": "split", "pools": [{"name": "a", "size": 4, "roles": ["actor", "judge"]}]},
+         "unknown role 'judge'"),
+    ],
+)
+def test_world_errors(tmp_path, world, placement, needle):
+    cfg = C.load_config(write(tmp_path, {"placement": placement, "model": {"path": model_dir(tmp_path)}}))
+    with pytest.raises(C.ConfigError) as err:
+        C.check_world(cfg, world)
+    assert needle in str(err.value)
+
+
+def test_entry_point_exits_2_with_one_message(tmp_path):
+    """The real entry point, as rank 0 of a world of 4 (checks run before any process group exists)."""
+    bad = write(tmp_path, {"placement": {"mode": "split", "pools": split_pools((2, 1), (1, 1), (2, 1))}})
+    proc = run_python(["train_ppo.py", "--config", bad], RANK=0, WORLD_SIZE=4, timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.count("config error:") == 1 and "world size is 4" in proc.stderr, explain(proc)
+    proc = run_python(["train_ppo.py", "--config", bad, "run.sed=1"], timeout=120)
+    assert proc.returncode == 2 and "did you mean 'run.seed'?" in proc.stderr, explain(proc)
+    proc = run_python(["train_ppo.py", "--config", str(tmp_path / "missing.yaml")], timeout=120)
+    assert proc.returncode == 2 and "file not found" in proc.stderr, explain(proc)
+
+
+def test_every_rank_stops_under_torchrun(tmp_path):
+    bad = write(tmp_path, {"placement": {"mode": "colocate", "tp": 4}, "model": {"path": model_dir(tmp_path)}})
+    proc = torchrun(["train_ppo.py", "--config", bad], nproc=2, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("config error: placement.tp=4: must divide the pool size 2") == 1, explain(proc)
+    # torchrun reports each worker's own exit code; both ranks stopped with 2, none ran on
+    assert "exitcode: 2" in out and "Traceback (most recent call last):\n  File \"/" not in proc.stdout, explain(proc)

@@ -1,0 +1,38 @@
+"""Layouts, FSDP2 / TP / 2-D / HSDP equivalence with the unsharded model, and batch transfer, on 4 gloo processes."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from batch import pad_cat, split_batch
+from conftest import explain, torchrun
+from parallel.transfer import balanced_bounds
+
+
+def test_foundation_under_torchrun():
+    proc = torchrun(["tests/dist/foundation.py"], nproc=4)
+    assert proc.returncode == 0, explain(proc)
+    for check in ("layouts", "fsdp4", "tp2+fsdp2", "2d", "hsdp", "transfer"):
+        # ranks print concurrently, so lines may interleave: find the marks anywhere
+        passed = set(re.findall(rf"rank (\d) PASS {re.escape(check)}\b", proc.stdout))
+        assert passed == {"0", "1", "2", "3"}, f"{check}: ranks {sorted(passed)} passed\n{explain(proc)}"
+
+
+def test_balanced_bounds():
+    for n in range(0, 20):
+        for parts in range(1, 6):
+            b = balanced_bounds(n, parts)
+            sizes = [b[i + 1] - b[i] for i in range(parts)]
+            assert b[0] == 0 and b[-1] == n and max(sizes) - min(sizes) <= 1
+
+
+def test_pad_cat_and_split_keep_values():
+    a = torch.arange(6).view(2, 3)
+    b = torch.arange(10, 18).view(2, 4)
+    joined = pad_cat([a, b])
+    assert joined.shape == (4, 4)
+    assert torch.equal(joined[:2, :3], a) and not joined[:2, 3].any() and torch.equal(joined[2:], b)
+    parts = split_batch({"x": joined, "y": torch.arange(4)}, [1, 3])
+    assert torch.equal(parts[1]["y"], torch.tensor([1, 2, 3])) and parts[0]["x"].shape == (1, 4)
