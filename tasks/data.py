@@ -1,0 +1,277 @@
+"""Prompt data: loading records from disk, tokenising them, and sampling batches reproducibly across restarts.
+
+Records come from a .jsonl file, a .parquet file, or a folder written by `datasets.Dataset.save_to_disk`.
+A prompt is text or a list of chat messages (`{"role", "content"}` dicts); the ground truth is optional.
+Column keys may be dotted (`reward_model.ground_truth`) to reach into nested records, as in verl's parquet files.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from datasets import DatasetDict, load_from_disk
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("meshrl")
+
+VALID_FORMATS = ".jsonl file, .parquet file, or a folder written by datasets' save_to_disk"
+
+
+def _read_rows(path: str | Path) -> list[tuple[str, dict]]:
+    """Every record of `path` as (where, row), `where` naming the file and line or row for error messages."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; expected a {VALID_FORMATS}")
+    if path.is_dir():
+        try:
+            dataset = load_from_disk(str(path))
+        except FileNotFoundError as e:
+            raise ValueError(f"{path} is a folder but not one written by datasets' save_to_disk: {e}") from e
+        if isinstance(dataset, DatasetDict):
+            raise ValueError(
+                f"{path} holds a DatasetDict with splits {list(dataset)}; point to one split's folder, "
+                f"e.g. {path / next(iter(dataset))}"
+            )
+        return [(f"{path} row {i}", row) for i, row in enumerate(dataset.to_list())]
+    if path.suffix == ".parquet":
+        return [(f"{path} row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    if path.suffix == ".jsonl":
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_number}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: malformed JSON line ({e.msg} at column {e.colno})") from e
+                if not isinstance(row, dict):
+                    raise ValueError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+                rows.append((where, row))
+        return rows
+    raise ValueError(f"{path}: unsupported extension {path.suffix!r}; expected a {VALID_FORMATS}")
+
+
+def _lookup(row: dict, key: str) -> tuple[object, bool]:
+    """(value, found) for `key`, which may be dotted to reach into nested dicts."""
+    if key in row:
+        return row[key], True
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None, False
+        value = value[part]
+    return value, True
+
+
+def _required(row: dict, key: str, where: str, role: str) -> object:
+    value, found = _lookup(row, key)
+    if not found:
+        raise ValueError(f"{where}: no {role} column {key!r}; the columns are {sorted(row)}")
+    return value
+
+
+def _check_prompt(prompt: object, where: str) -> str | list[dict]:
+    """The prompt as text or as a list of messages; message keys set to None are dropped because parquet and
+    datasets store messages as structs, which give every message every key any message has."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: chat message {m!r} needs string 'role' and 'content'")
+        return messages
+    raise ValueError(
+        f"{where}: prompt must be text or a non-empty list of {{'role', 'content'}} messages, got {prompt!r:.200}"
+    )
+
+
+def _as_text(value: object, key: str, where: str) -> str:
+    # Numbers are accepted because answer columns are often stored as ints or floats.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{where}: column {key!r} must be text or a number, got {type(value).__name__} {value!r:.200}")
+
+
+def load_prompt_records(
+    path: str | Path, prompt_key: str = "prompt", ground_truth_key: str = "ground_truth"
+) -> list[dict]:
+    """Records `{"prompt": str | list[dict], "ground_truth": str | None}`; the ground truth is None where absent."""
+    records = []
+    for where, row in _read_rows(path):
+        prompt = _check_prompt(_required(row, prompt_key, where, "prompt"), where)
+        ground_truth, found = _lookup(row, ground_truth_key)
+        if found and ground_truth is not None:
+            ground_truth = _as_text(ground_truth, ground_truth_key, where)
+        records.append({"prompt": prompt, "ground_truth": ground_truth})
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+def load_sft_records(path: str | Path, prompt_key: str = "prompt", response_key: str = "response") -> list[dict]:
+    """Supervised pairs `{"prompt": str | list[dict], "response": str}` from the same formats as prompts."""
+    records = []
+    for where, row in _read_rows(path):
+        prompt = _check_prompt(_required(row, prompt_key, where, "prompt"), where)
+        response = _as_text(_required(row, response_key, where, "response"), response_key, where)
+        records.append({"prompt": prompt, "response": response})
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+class PromptDataset:
+    """Tokenised prompts: items `{"prompt_ids": list[int], "ground_truth": str | None, "prompt_text": str}`.
+
+    `chat_template`: None applies the tokenizer's chat template to message prompts and tokenises text as is; True
+    also wraps text prompts as one user message; False refuses message prompts. Templated prompts end with the
+    generation prompt (the assistant header). Text prompts get the tokenizer's own special tokens (e.g. a bos).
+    Prompts longer than `max_prompt_len` tokens are dropped and counted in `n_dropped_too_long`.
+    """
+
+    def __init__(
+        self,
+        records: list[dict],
+        tokenizer: PreTrainedTokenizerBase,
+        max_prompt_len: int,
+        chat_template: bool | None = None,
+    ):
+        if max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len={max_prompt_len} must be at least 1")
+        if not records:
+            raise ValueError("PromptDataset got no records")
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        if chat_template and not has_template:
+            raise ValueError("chat_template=True but the tokenizer has no chat template; set one or pass None/False")
+
+        prompt_texts, templated = [], []
+        for i, record in enumerate(records):
+            prompt = _check_prompt(record["prompt"], f"record {i}")
+            if isinstance(prompt, str) and not chat_template:
+                prompt_texts.append(prompt)
+                templated.append(False)
+                continue
+            if chat_template is False:
+                raise ValueError(f"record {i}: the prompt is a list of chat messages but chat_template=False")
+            if not has_template:
+                raise ValueError(
+                    f"record {i}: the prompt is a list of chat messages but the tokenizer has no chat template; "
+                    "set tokenizer.chat_template or give prompts as text"
+                )
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            prompt_texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            templated.append(True)
+
+        # Rendering then encoding without special tokens is what apply_chat_template(tokenize=True) does, since the
+        # template writes its own; doing it in two steps keeps the rendered text and lets one call encode them all.
+        prompt_ids: list[list[int]] = [[] for _ in records]
+        for is_templated in (True, False):
+            at = [i for i, t in enumerate(templated) if t == is_templated]
+            if at:
+                encoded = tokenizer([prompt_texts[i] for i in at], add_special_tokens=not is_templated)["input_ids"]
+                for i, ids in zip(at, encoded):
+                    prompt_ids[i] = ids
+
+        self.items = []
+        for i, record in enumerate(records):
+            if not prompt_ids[i]:
+                raise ValueError(f"record {i}: the prompt {record['prompt']!r:.200} tokenises to no tokens")
+            if len(prompt_ids[i]) <= max_prompt_len:
+                self.items.append(
+                    {
+                        "prompt_ids": prompt_ids[i],
+                        "ground_truth": record.get("ground_truth"),
+                        "prompt_text": prompt_texts[i],
+                    }
+                )
+        self.n_dropped_too_long = len(records) - len(self.items)
+        if not self.items:
+            shortest = min(len(ids) for ids in prompt_ids)
+            raise ValueError(
+                f"all {len(records)} prompts are longer than max_prompt_len={max_prompt_len} tokens "
+                f"(the shortest has {shortest})"
+            )
+        if self.n_dropped_too_long:
+            logger.warning(
+                "dropped %d of %d prompts longer than max_prompt_len=%d tokens",
+                self.n_dropped_too_long,
+                len(records),
+                max_prompt_len,
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+class PromptSampler:
+    """Batches of dataset indices, reshuffled each epoch from `seed + epoch`.
+
+    The state is (epoch, position), so a run resumed from `state_dict()` draws exactly the prompts an uninterrupted
+    run would. With `drop_last`, the tail of an epoch that cannot fill a batch is skipped; otherwise it comes out as
+    a short batch.
+    """
+
+    def __init__(self, dataset_len: int, batch_size: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True):
+        if dataset_len < 1:
+            raise ValueError(f"dataset_len={dataset_len} must be at least 1")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        if drop_last and batch_size > dataset_len:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the dataset ({dataset_len} prompts) and drop_last=True, "
+                "so no batch fits; use a smaller batch or drop_last=False"
+            )
+        self.dataset_len, self.batch_size, self.seed = dataset_len, batch_size, seed
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.epoch, self.position = 0, 0
+        self._order: list[int] | None = None
+
+    def _epoch_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.dataset_len))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_len, generator=generator).tolist()
+
+    def next_batch(self) -> list[int]:
+        remaining = self.dataset_len - self.position
+        if remaining == 0 or (self.drop_last and remaining < self.batch_size):
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            self._order = self._epoch_order()
+        batch = self._order[self.position : self.position + self.batch_size]
+        self.position += len(batch)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "dataset_len": self.dataset_len, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("dataset_len", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]} but this sampler has {key}={getattr(self, key)}; "
+                    "resuming would draw different prompts"
+                )
+        if not 0 <= state["position"] <= self.dataset_len:
+            raise ValueError(f"sampler state position={state['position']} is outside [0, {self.dataset_len}]")
+        self.epoch, self.position, self._order = state["epoch"], state["position"], None
+
+
+def shard_indices(indices: list[int], rank: int, world: int) -> list[int]:
+    """This rank's contiguous block of a global batch; the batch must split evenly over `world` ranks."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must be in [0, world={world})")
+    if len(indices) % world:
+        raise ValueError(f"a batch of {len(indices)} prompts does not split evenly over {world} ranks")
+    size = len(indices) // world
+    return indices[rank * size : (rank + 1) * size]

@@ -1,0 +1,305 @@
+"""Function rewards: built-in answer matchers and user functions, the latter run in worker processes.
+
+A reward function has the signature `f(response: str, ground_truth: str | None, prompt: str) -> float`, where
+`prompt` is the prompt as the model saw it (chat template applied). Name one with a spec: "gsm8k", "exact_match",
+or "module.path:function" for a user function importable from this process's sys.path.
+
+This module imports only the standard library, so the spawned workers that import it start fast.
+"""
+
+import importlib
+import logging
+import math
+import multiprocessing
+import numbers
+import re
+import signal
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from decimal import Decimal
+from multiprocessing.connection import wait
+
+logger = logging.getLogger("meshrl")
+
+# A worker imports the user's module and, under spawn, the main script; a generous bound still catches a hang.
+START_TIMEOUT_S = 120.0
+
+# A number with optional sign, dollar sign and thousands commas; trailing "." and "," are never part of it.
+_NUMBER = re.compile(r"(-?)\$?(-?)((?:\d[\d,]*)?\.?\d+)")
+
+
+def _numbers(text: str) -> list[Decimal]:
+    found = []
+    for sign_before, sign_after, digits in _NUMBER.findall(text):
+        value = Decimal(digits.replace(",", ""))
+        found.append(-value if sign_before or sign_after else value)
+    return found
+
+
+def extract_final_number(text: str) -> Decimal | None:
+    """The answer a GSM8K-style text ends with: the first number after the last "####" if there is one there,
+    otherwise the last number in the text; None when the text has no number."""
+    _, marker, after = text.rpartition("####")
+    if marker:
+        after_marker = _numbers(after)
+        if after_marker:
+            return after_marker[0]
+    found = _numbers(text)
+    return found[-1] if found else None
+
+
+def gsm8k_match(response: str, ground_truth: str | None, prompt: str = "") -> float:
+    """1.0 when the response's final number equals the ground truth's numerically ("1,000.0" matches "1000").
+
+    `prompt` is unused; it is accepted so all reward functions share one signature.
+    """
+    if ground_truth is None:
+        raise ValueError("the gsm8k reward needs a ground truth for every prompt; the data has none")
+    expected = extract_final_number(ground_truth)
+    if expected is None:
+        raise ValueError(f"the gsm8k reward needs a number in the ground truth, got {ground_truth!r}")
+    return 1.0 if extract_final_number(response) == expected else 0.0
+
+
+def exact_match(response: str, ground_truth: str | None, prompt: str = "") -> float:
+    """1.0 when response and ground truth are equal after stripping surrounding whitespace. `prompt` is unused."""
+    if ground_truth is None:
+        raise ValueError("the exact_match reward needs a ground truth for every prompt; the data has none")
+    return 1.0 if response.strip() == ground_truth.strip() else 0.0
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., float]] = {"gsm8k": gsm8k_match, "exact_match": exact_match}
+
+
+def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
+    """The function a spec names: a builtin ("gsm8k", "exact_match") or "module.path:function"."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module_name, colon, function_name = spec.partition(":")
+    if not (colon and module_name and function_name.isidentifier()):
+        raise ValueError(
+            f"reward function spec {spec!r} is not valid; use one of {sorted(BUILTIN_REWARDS)} "
+            "or 'module.path:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}") from e
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(
+            f"reward function {spec!r}: module {module_name!r} has no function {function_name!r}; "
+            f"its public callables are {available}"
+        )
+    return function
+
+
+def _as_score(value: object) -> float:
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"the reward function returned {value!r:.200} ({type(value).__name__}), not a number")
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"the reward function returned {score}, not a finite number")
+    return score
+
+
+def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
+    """Worker loop: load the function, say "ready", then score (index, response, ground_truth, prompt) tasks until
+    a None task or the parent's end of the pipe closes."""
+    # Ctrl-C reaches the whole process group; the parent decides how to shut down, the workers just get stopped.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.path[:] = sys_path
+    try:
+        function = load_reward_function(spec)
+    except BaseException:
+        conn.send(("init_error", traceback.format_exc()))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        index, response, ground_truth, prompt = task
+        try:
+            score = _as_score(function(response, ground_truth, prompt))
+        except Exception:
+            conn.send(("failed", index, traceback.format_exc()))
+        else:
+            conn.send(("scored", index, score))
+
+
+class _Worker:
+    """One spawned process that scores one item at a time over a pipe."""
+
+    def __init__(self, context, spec: str):
+        self.conn, child_conn = context.Pipe()
+        # The user's module may be importable only through paths added at run time (pytest's pythonpath, a script's
+        # sys.path.insert), so the worker gets this process's sys.path explicitly.
+        self.process = context.Process(
+            target=_worker_main, args=(child_conn, spec, list(sys.path)), daemon=True, name="meshrl-reward-worker"
+        )
+        self.process.start()
+        child_conn.close()  # so that recv() here raises EOFError once the worker exits
+        self.ready = False
+        self.index: int | None = None
+        self.deadline = time.monotonic() + START_TIMEOUT_S  # until ready; then the deadline of the item in hand
+
+    def stop(self) -> None:
+        if self.index is None:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.process.join(timeout=1.0)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class RewardFunctionRunner:
+    """Scores batches with a reward function; user functions run in `num_workers` spawned processes.
+
+    Builtins run in this process. A user function that raises, returns a non-finite or non-numeric value, or runs
+    longer than `timeout_s` on one item scores 0.0 for that item; its worker is killed and replaced after a timeout.
+    Failures are counted per call in the stats ("reward_fn/errors", "reward_fn/timeouts"); only the first traceback
+    and the first timeout are logged. Workers use the "spawn" start method (fork is unsafe once torch has started
+    threads), so the main script must guard its entry point with `if __name__ == "__main__":`.
+    """
+
+    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 10.0):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be at least 1")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        self.spec, self.timeout_s = spec, timeout_s
+        # Loading here too makes a bad spec a ValueError at start-up rather than a worker failure later.
+        function = load_reward_function(spec)
+        self._inline = function if spec in BUILTIN_REWARDS else None
+        self._context = multiprocessing.get_context("spawn")
+        self._workers = [] if self._inline is not None else [_Worker(self._context, spec) for _ in range(num_workers)]
+        self._logged_error = self._logged_timeout = False
+
+    def __call__(
+        self, responses: Sequence[str], ground_truths: Sequence[str | None], prompts: Sequence[str]
+    ) -> tuple[list[float], dict[str, int]]:
+        if not len(responses) == len(ground_truths) == len(prompts):
+            raise ValueError(
+                f"got {len(responses)} responses, {len(ground_truths)} ground truths and {len(prompts)} prompts; "
+                "they must be equally many"
+            )
+        stats = {"reward_fn/errors": 0, "reward_fn/timeouts": 0}
+        if self._inline is not None:
+            return [float(self._inline(*args)) for args in zip(responses, ground_truths, prompts)], stats
+        if not self._workers:
+            raise RuntimeError("RewardFunctionRunner is closed")
+
+        scores = [0.0] * len(responses)
+        todo = deque(range(len(responses)))
+        n_left = len(responses)
+        while n_left:
+            for slot, worker in enumerate(self._workers):
+                if todo and worker.ready and worker.index is None:
+                    index = todo.popleft()
+                    try:
+                        worker.conn.send((index, responses[index], ground_truths[index], prompts[index]))
+                    except OSError:  # the worker died while idle
+                        todo.appendleft(index)
+                        self._replace(slot)
+                        continue
+                    worker.index, worker.deadline = index, time.monotonic() + self.timeout_s
+            deadlines = [w.deadline for w in self._workers if w.index is not None or not w.ready]
+            wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            readable = wait([w.conn for w in self._workers], timeout=wait_s)
+            for slot, worker in enumerate(self._workers):
+                if worker.conn in readable:
+                    n_left -= self._receive(slot, scores, stats)
+                elif time.monotonic() < worker.deadline:
+                    continue
+                elif not worker.ready:
+                    self.close()
+                    raise RuntimeError(f"a reward worker for {self.spec!r} did not start within {START_TIMEOUT_S} s")
+                elif worker.index is not None:
+                    stats["reward_fn/timeouts"] += 1
+                    if not self._logged_timeout:
+                        self._logged_timeout = True
+                        logger.warning(
+                            "reward function %s ran longer than timeout_s=%s on one item; scored 0.0 and restarted "
+                            "its worker. Later timeouts are counted in reward_fn/timeouts, not logged.",
+                            self.spec,
+                            self.timeout_s,
+                        )
+                    self._replace(slot)
+                    n_left -= 1
+        return scores, stats
+
+    def _receive(self, slot: int, scores: list[float], stats: dict[str, int]) -> int:
+        """Handle one message from a worker; returns how many items it finished (0 or 1)."""
+        worker = self._workers[slot]
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            return self._worker_exited(slot, stats)
+        kind = message[0]
+        if kind == "ready":
+            worker.ready = True
+            return 0
+        if kind == "init_error":
+            self.close()
+            raise RuntimeError(f"a reward worker could not load {self.spec!r}:\n{message[1]}")
+        _, index, payload = message
+        assert index == worker.index, (index, worker.index)
+        worker.index = None
+        if kind == "scored":
+            scores[index] = payload
+        else:
+            self._record_error(stats, payload)
+        return 1
+
+    def _worker_exited(self, slot: int, stats: dict[str, int]) -> int:
+        worker = self._workers[slot]
+        worker.process.join(timeout=1.0)
+        if not worker.ready:
+            self.close()
+            raise RuntimeError(
+                f"a reward worker for {self.spec!r} exited with code {worker.process.exitcode} while starting"
+            )
+        busy = worker.index is not None
+        if busy:
+            self._record_error(stats, f"the worker process exited with code {worker.process.exitcode} while scoring")
+        self._replace(slot)
+        return int(busy)
+
+    def _record_error(self, stats: dict[str, int], description: str) -> None:
+        stats["reward_fn/errors"] += 1
+        if not self._logged_error:
+            self._logged_error = True
+            logger.error(
+                "reward function %s failed on one item; scored 0.0. Later failures are counted in "
+                "reward_fn/errors, not logged.\n%s",
+                self.spec,
+                description,
+            )
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].stop()
+        self._workers[slot] = _Worker(self._context, self.spec)
+
+    def close(self) -> None:
+        """Stop the workers; idempotent."""
+        for worker in self._workers:
+            worker.stop()
+        self._workers = []
+
+    def __enter__(self) -> "RewardFunctionRunner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

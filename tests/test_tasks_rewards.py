@@ -1,0 +1,191 @@
+import logging
+import multiprocessing
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.rewards import RewardFunctionRunner, exact_match, gsm8k_match, load_reward_function
+from tests import user_rewards
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER_NAME = "meshrl-reward-worker"
+
+
+def live_workers() -> list:
+    return [p for p in multiprocessing.active_children() if p.name == WORKER_NAME]
+
+
+@pytest.mark.parametrize(
+    "response, ground_truth, expected",
+    [
+        ("46", "46", 1.0),
+        ("46", "47", 0.0),
+        ("12+34=46", "46", 1.0),
+        ("The total is $1,234.50.", "1234.5", 1.0),
+        ("It costs 1,000 dollars", "1000", 1.0),
+        ("3.0", "3", 1.0),
+        ("She ends with -5 apples.", "-5", 1.0),
+        ("The change is $-3", "-3", 1.0),
+        ("The change is -$3", "-3", 1.0),
+        ("She ends with 5 apples.", "-5", 0.0),
+        ("#### 72, since 70 + 2 = 72 and 9 is unrelated", "72", 1.0),
+        ("so 9 + 9 = 18\n#### 18", "18", 1.0),
+        ("The answer is 72. Check: 72 - 70 = 2", "72", 0.0),
+        ("The answer is 5 ####", "5", 1.0),
+        ("no number here", "5", 0.0),
+        ("so 18", "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 eggs, 9 * 2 = 18.\n#### 18", 1.0),
+        ("#### 1,234", "#### 1234", 1.0),
+    ],
+)
+def test_gsm8k_match(response, ground_truth, expected):
+    assert gsm8k_match(response, ground_truth) == expected
+    assert gsm8k_match(response, ground_truth, "any prompt") == expected
+
+
+def test_gsm8k_match_needs_a_numeric_ground_truth():
+    with pytest.raises(ValueError, match="ground truth"):
+        gsm8k_match("5", None)
+    with pytest.raises(ValueError, match="'five'"):
+        gsm8k_match("5", "five")
+
+
+def test_exact_match():
+    assert exact_match(" 46\n", "46") == 1.0
+    assert exact_match("46", "460") == 0.0
+    assert exact_match("Paris", " Paris ", "Capital of France?") == 1.0
+    with pytest.raises(ValueError, match="ground truth"):
+        exact_match("46", None)
+
+
+def test_load_reward_function():
+    assert load_reward_function("gsm8k") is gsm8k_match
+    assert load_reward_function("exact_match") is exact_match
+    assert load_reward_function("tests.user_rewards:char_count") is user_rewards.char_count
+
+
+@pytest.mark.parametrize("spec", ["gsm8k_typo", "tests.user_rewards", ":char_count", "tests.user_rewards:", "a:b:c"])
+def test_load_reward_function_malformed_spec(spec):
+    with pytest.raises(ValueError, match="module.path:function") as error:
+        load_reward_function(spec)
+    assert repr(spec) in str(error.value)
+
+
+def test_load_reward_function_missing_module_or_function():
+    with pytest.raises(ValueError, match="cannot import module 'tests.no_such_module'"):
+        load_reward_function("tests.no_such_module:f")
+    with pytest.raises(ValueError, match="no function 'nope'") as error:
+        load_reward_function("tests.user_rewards:nope")
+    assert "char_count" in str(error.value)
+
+
+def test_runner_builtin_runs_in_process():
+    with RewardFunctionRunner("gsm8k") as runner:
+        scores, stats = runner(["#### 46", "45", "x"], ["46", "46", "46"], ["12+34=", "12+34=", "12+34="])
+        assert not live_workers()
+    assert scores == [1.0, 0.0, 0.0]
+    assert stats == {"reward_fn/errors": 0, "reward_fn/timeouts": 0}
+
+
+def test_runner_user_function_in_workers():
+    responses = [f"response {'x' * i}" for i in range(7)]
+    with RewardFunctionRunner("tests.user_rewards:char_count", num_workers=2) as runner:
+        assert len(live_workers()) == 2
+        scores, stats = runner(responses, [None] * 7, ["p"] * 7)
+        assert runner([], [], []) == ([], {"reward_fn/errors": 0, "reward_fn/timeouts": 0})
+    assert scores == [float(len(r)) for r in responses]
+    assert stats == {"reward_fn/errors": 0, "reward_fn/timeouts": 0}
+    assert not live_workers()
+
+
+def test_runner_counts_errors_and_logs_the_first_traceback_once(caplog):
+    responses = ["raise one", "ok", "raise two", "exit", "fine"]
+    expected = [0.0, 2.0, 0.0, 0.0, 4.0]
+    # One worker scores the items in order, so the first failure is known.
+    with (
+        caplog.at_level(logging.ERROR, logger="meshrl"),
+        RewardFunctionRunner("tests.user_rewards:raises_on_request", num_workers=1) as runner,
+    ):
+        scores, stats = runner(responses, [None] * 5, [""] * 5)
+        assert scores == expected
+        assert stats == {"reward_fn/errors": 3, "reward_fn/timeouts": 0}
+        assert len(live_workers()) == 1  # the worker that exited was replaced
+
+        scores, stats = runner(["abc", "raise three"], [None, None], ["", ""])
+        assert scores == [3.0, 0.0]
+        assert stats == {"reward_fn/errors": 1, "reward_fn/timeouts": 0}
+
+    errors = [r for r in caplog.records if r.name == "meshrl" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    message = errors[0].getMessage()
+    assert "tests.user_rewards:raises_on_request" in message
+    assert "Traceback" in message
+    assert "deliberate failure on 'raise one'" in message
+
+
+@pytest.mark.parametrize("response, named", [("nan", "returned nan"), ("text", "'not a score' (str)")])
+def test_runner_rejects_non_finite_and_non_numeric_scores(caplog, response, named):
+    with (
+        caplog.at_level(logging.ERROR, logger="meshrl"),
+        RewardFunctionRunner("tests.user_rewards:raises_on_request", num_workers=1) as runner,
+    ):
+        scores, stats = runner([response], ["1"], ["p"])
+    assert scores == [0.0]
+    assert stats["reward_fn/errors"] == 1
+    assert any(named in r.getMessage() for r in caplog.records)
+
+
+def test_runner_kills_a_hung_worker_and_keeps_working(caplog):
+    timeout_s = 1.0
+    with (
+        caplog.at_level(logging.WARNING, logger="meshrl"),
+        RewardFunctionRunner("tests.user_rewards:hangs_on_request", num_workers=2, timeout_s=timeout_s) as runner,
+    ):
+        start = time.monotonic()
+        scores, stats = runner(["hang", "ab", "abc", "abcd"], [None] * 4, [""] * 4)
+        elapsed = time.monotonic() - start
+        assert scores == [0.0, 2.0, 3.0, 4.0]
+        assert stats == {"reward_fn/errors": 0, "reward_fn/timeouts": 1}
+        assert timeout_s <= elapsed < timeout_s + 10
+        assert len(live_workers()) == 2
+
+        # Both workers hang at once; both are replaced and the next call is served normally.
+        scores, stats = runner(["hang", "hang"], [None] * 2, [""] * 2)
+        assert scores == [0.0, 0.0]
+        assert stats == {"reward_fn/errors": 0, "reward_fn/timeouts": 2}
+        scores, stats = runner(["xyz"], [None], [""])
+        assert scores == [3.0]
+        assert stats == {"reward_fn/errors": 0, "reward_fn/timeouts": 0}
+    assert not live_workers()
+    timeouts = [r for r in caplog.records if r.name == "meshrl" and "timeout_s" in r.getMessage()]
+    assert len(timeouts) == 1
+
+
+def test_runner_argument_errors():
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        RewardFunctionRunner("tests.user_rewards:nope")
+    with pytest.raises(ValueError, match="num_workers=0"):
+        RewardFunctionRunner("tests.user_rewards:char_count", num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        RewardFunctionRunner("tests.user_rewards:char_count", timeout_s=0)
+    runner = RewardFunctionRunner("tests.user_rewards:char_count", num_workers=1)
+    with pytest.raises(ValueError, match="2 responses, 1 ground truths and 2 prompts"):
+        runner(["a", "b"], [None], ["", ""])
+    runner.close()
+    runner.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        runner(["a"], [None], [""])
+
+
+def test_interpreter_exits_with_runner_left_open():
+    script = (
+        "from tasks.rewards import RewardFunctionRunner\n"
+        "runner = RewardFunctionRunner('tests.user_rewards:hangs_on_request', timeout_s=0.5)\n"
+        "print(runner(['hang', 'abc'], [None, None], ['', '']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "[0.0, 3.0]" in result.stdout
