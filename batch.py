@@ -11,23 +11,23 @@ import torch
 Batch = dict[str, torch.Tensor]
 
 
-def pad_to(t: torch.Tensor, width: int, value=0) -> torch.Tensor:
-    """Right-pad dim 1 of `t` ([B, T, ...]) to `width`."""
-    if t.dim() < 2 or t.shape[1] == width:
-        return t
-    assert t.shape[1] < width, "pad_to never truncates"
-    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)
-    return torch.cat([t, pad], dim=1)
+def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0, first padding every other dim on the right with 0 to the largest size.
 
-
-def pad_cat(pieces: list[torch.Tensor], value=0) -> torch.Tensor:
-    """Concatenate `[B_i, T_i, ...]` tensors along dim 0, right-padding dim 1 to the widest."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if pieces[0].dim() >= 2:
-        width = max(p.shape[1] for p in pieces)
-        pieces = [pad_to(p, width, value) for p in pieces]
-    return torch.cat(pieces, dim=0)
+    tensors: [N_i, *S_i], all with the same number of dims and the same dtype. Returns [sum N_i, *max S]
+    (bool tensors pad with False). Used when batches generated with different response lengths meet.
+    """
+    if not tensors:
+        raise ValueError("pad_cat needs at least one tensor")
+    if len({t.dim() for t in tensors}) != 1 or len({t.dtype for t in tensors}) != 1:
+        raise ValueError(f"pad_cat needs one ndim and dtype, got {[(tuple(t.shape), t.dtype) for t in tensors]}")
+    trailing = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    out = tensors[0].new_zeros((sum(t.shape[0] for t in tensors), *trailing))
+    row = 0
+    for t in tensors:
+        out[(slice(row, row + t.shape[0]), *(slice(0, n) for n in t.shape[1:]))] = t
+        row += t.shape[0]
+    return out
 
 
 def cat_batches(batches: list[Batch]) -> Batch:
