@@ -94,18 +94,165 @@ class OptimConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = ""
+    path: str = ""  # an HF folder (config.json + safetensors + tokenizer)
     tokenizer_path: str | None = None  # default: the model path
     trust_remote_code: bool = False
 
 
 @dataclass
-class FoundationSmokeConfig:
-    """The sharded forward/backward smoke run by train_ppo.py until the PPO loop lands."""
+class DataConfig:
+    train_path: str = ""  # .jsonl, .parquet or a datasets.save_to_disk folder with a `prompt` column
+    eval_path: str | None = None
+    prompt_key: str = "prompt"
+    ground_truth_key: str = "ground_truth"
+    max_prompt_len: int = 512
+    batch_size: int = 8  # prompts per step, over all data-parallel ranks of the actor pool
+    eval_size: int = 0  # 0: the whole eval set
+    shuffle: bool = True
 
-    batch_size: int = 4
-    seq_len: int = 32
-    steps: int = 2
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["native"] = "native"
+    n: int = 1  # samples per prompt (GRPO/RLOO groups)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's eos is always a stop token
+    eval_temperature: float = 0.0  # 0: greedy
+    eval_n: int = 1
+
+
+@dataclass
+class KLConfig:
+    in_reward: bool = True  # PPO (Ziegler/InstructGPT): token_reward = score at the end - coef * kl
+    in_loss: bool = False  # GRPO: loss += coef * kl(pi, ref)
+    kind: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "k1"
+    coef: float = 0.05
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    target: float = 6.0
+    horizon: int = 10000
+
+
+@dataclass
+class FilterConfig:
+    min_reward: float | None = None  # drop samples scoring below
+    filter_ratio: float = 0.0  # drop this fraction of the lowest-scoring samples as noise
+    pf_ppo: Literal["off", "pow", "max_min", "max_random"] = "off"
+    weight_pow: float = 1.0
+    dynamic_sampling: bool = False  # DAPO: drop groups whose samples all score the same
+    overlong_buffer: int = 0  # DAPO soft overlong punishment over the last N tokens before max_new_tokens
+    overlong_penalty: float = 1.0
+
+
+@dataclass
+class ReplayConfig:
+    enabled: bool = False
+    capacity: int = 10000
+    unit: Literal["samples", "tokens"] = "samples"
+    quality_threshold: float = 1.0
+    mix_fraction: float = 0.1
+
+
+@dataclass
+class GuardConfig:
+    kl_limit: float | None = None  # KL above: actor lr x 0.9
+    var_limit: float | None = None  # reward variance above: min_reward + 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    norm_by_std: bool = True  # grpo; false: Dr. GRPO
+    whiten_advantages: bool = True  # gae
+    kl: KLConfig = field(default_factory=KLConfig)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+@dataclass
+class ActorConfig:
+    model_path: str | None = None  # default: model.path
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # samples per optimizer step over all dp ranks; 0: the whole batch
+    micro_batch_tokens: int = 8192  # padded tokens per forward/backward on one rank
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+
+
+@dataclass
+class CriticConfig:
+    model_path: str | None = None  # default: model.path (a causal LM backbone; the value head starts fresh)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0
+    micro_batch_tokens: int = 8192
+    value_clip: float = 0.2
+
+
+@dataclass
+class ReferenceConfig:
+    model_path: str | None = None  # default: the actor's
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RewardFunctionConfig:
+    spec: str = "gsm8k"  # gsm8k | exact_match | module.path:function
+    weight: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    model_path: str | None = None  # an HF sequence-classification reward model; none: function rewards only
+    model_weight: float = 1.0
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class SFTConfig:
+    """train_sft.py: supervised fine-tuning on prompt/response pairs (loss on response tokens)."""
+
+    train_path: str = ""
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    steps: int = 100
+    batch_size: int = 16  # pairs per step over all ranks
+    lr: float = 1e-5
+    output_dir: str = "runs/sft_model"
+
+
+@dataclass
+class QuickstartConfig:
+    """Build a tiny model, a character tokenizer and the addition task locally, and warm-start it with SFT."""
+
+    enabled: bool = False
+    workdir: str = "runs/quickstart_assets"
+    digits: list[int] = field(default_factory=lambda: [1, 2])
+    n_train: int = 2000
+    n_test: int = 200
+    hidden_size: int = 64
+    num_layers: int = 2
+    sft_steps: int = 200
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 64
+    sft_fraction: float = 1.0  # SFT on the first part of the train prompts only (a weaker warm start)
 
 
 @dataclass
@@ -114,9 +261,15 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    smoke: FoundationSmokeConfig = field(default_factory=FoundationSmokeConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    quickstart: QuickstartConfig = field(default_factory=QuickstartConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,20 +278,39 @@ class Config:
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Read a YAML file (or nothing: all defaults), apply `a.b.c=value` overrides, and build the typed `Config`."""
-    raw: dict = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config: file not found: {path!r}")
-        with open(path) as f:
-            try:
-                raw = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"--config {path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    raw = _read_yaml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
     return build(Config, raw, "")
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
+    """A YAML config; a top-level `base: other.yaml` (relative to this file) is read first and updated by this one."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file not found: {path!r}")
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"--config {path}: `base` files include each other: {' -> '.join(seen)}")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*seen, os.path.abspath(path)))
+    _deep_update(merged, raw)
+    return merged
+
+
+def _deep_update(into: dict, new: dict) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_update(into[k], v)
+        else:
+            into[k] = v
 
 
 def _apply_override(raw: dict, item: str) -> None:
@@ -273,6 +445,42 @@ def check_world(cfg: Config, world_size: int, needed_roles=ROLES) -> None:
         raise ConfigError(f"placement: no pool hosts the role(s) {', '.join(missing)}; add them to a pool's roles")
 
 
+def check_ppo(cfg: Config, world_size: int) -> None:
+    """Everything train_ppo.py needs to be true before it starts."""
+    check_world(cfg, world_size, required_roles(cfg))
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+                          "compares the samples of a prompt; set rollout.n >= 2")
+    for key, value, low in (("data.batch_size", cfg.data.batch_size, 1), ("rollout.n", cfg.rollout.n, 1),
+                            ("rollout.max_new_tokens", cfg.rollout.max_new_tokens, 1),
+                            ("actor.ppo_epochs", cfg.actor.ppo_epochs, 1), ("run.total_steps", cfg.run.total_steps, 0)):
+        if value < low:
+            raise ConfigError(f"{key}={value}: must be >= {low}")
+    if not 0 <= cfg.algorithm.filters.filter_ratio < 1:
+        raise ConfigError(f"algorithm.filters.filter_ratio={cfg.algorithm.filters.filter_ratio}: must be in [0, 1)")
+    if cfg.algorithm.kl.in_reward and cfg.algorithm.kl.in_loss:
+        raise ConfigError("algorithm.kl.in_reward and algorithm.kl.in_loss are both true; choose one")
+    if cfg.reward.model_path is None and not cfg.reward.functions:
+        raise ConfigError("reward: set reward.model_path or reward.functions (e.g. [{spec: gsm8k}])")
+    actor = next(p for p in pools_of(cfg, world_size) if "actor" in p.roles)
+    dp = actor.size // actor.tp
+    if cfg.data.batch_size % dp:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be a multiple of the actor pool's "
+                          f"data-parallel size {dp} (each dp rank generates for an equal share)")
+    if not cfg.quickstart.enabled:
+        for key, path in (("data.train_path", cfg.data.train_path), ("model.path", cfg.model.path)):
+            if not path or not os.path.exists(path):
+                raise ConfigError(f"{key}={path!r}: not found")
+
+
+def check_sft(cfg: Config, world_size: int) -> None:
+    """Everything train_sft.py needs: one pool of all ranks for the model being fine-tuned."""
+    check_world(cfg, world_size, ())
+    for key, path in (("sft.train_path", cfg.sft.train_path), ("model.path", cfg.model.path)):
+        if not path or not os.path.exists(path):
+            raise ConfigError(f"{key}={path!r}: not found")
+
+
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:
     path = os.path.join(cfg.model.path, "config.json")
     if not os.path.isfile(path):
@@ -291,7 +499,17 @@ def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:
 # Entry-point helper
 
 
-def parse_or_exit(argv: list[str], world_size: int, rank: int, needed_roles=ROLES) -> Config:
+def required_roles(cfg: Config) -> tuple[str, ...]:
+    """The roles a PPO run needs: no critic without GAE, no reference without a KL term."""
+    roles = ["actor", "reward"]
+    if cfg.algorithm.adv_estimator == "gae":
+        roles.append("critic")
+    if cfg.algorithm.kl.in_reward or cfg.algorithm.kl.in_loss:
+        roles.append("reference")
+    return tuple(roles)
+
+
+def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Config:
     """`--config PATH [key=value ...]` -> a checked Config. On a mistake, rank 0 prints one line and every rank
     exits with code 2, before any process group or model exists."""
     import argparse
@@ -303,7 +521,7 @@ def parse_or_exit(argv: list[str], world_size: int, rank: int, needed_roles=ROLE
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        check_world(cfg, world_size, needed_roles)
+        (check or check_ppo)(cfg, world_size)
     except ConfigError as e:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr, flush=True)

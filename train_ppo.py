@@ -1,53 +1,449 @@
-"""meshrl entry point: `python train_ppo.py --config X` (a world of one) or `torchrun ... train_ppo.py --config X`.
+"""meshrl: PPO / GRPO / RLOO / REINFORCE++ on DeviceMesh pools, one SPMD program.
 
-Until the PPO loop lands, this runs the foundation smoke: every pool loads its model, shards it (TP, FSDP2), and
-takes a few forward/backward/optimizer steps on random tokens, printing the loss per pool.
+    python train_ppo.py --config configs/quickstart.yaml                      # a world of one, CPU or GPU
+    torchrun --nproc_per_node 4 train_ppo.py --config X placement.mode=split  # pools of ranks
+
+Every rank runs this file; the layout decides which roles it hosts. `PPOTrainer.step` is the dataflow of one step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+import os
 import sys
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
+import transformers
+from transformers import AutoTokenizer
 
 import config as C
+from algo import advantages as A
+from algo.controller import GuardRails
+from algo.filters import (
+    ReplayBuffer,
+    dynamic_sampling_keep,
+    overlong_penalty,
+    pf_ppo_resample,
+    reward_threshold_mask,
+)
+from algo.kl_control import kl_in_reward, make_kl_controller
+from algo.losses import kl as kl_estimate
+from batch import Batch, batch_size, select
+from monitor import MetricsLogger, gather_metrics, memory_gb
 from parallel.distributed import env_world, init_distributed, shutdown
-from parallel.fsdp import shard_model
-from parallel.layout import build_layout
+from parallel.layout import Layout, build_layout
+from parallel.transfer import transfer
+from roles.actor import Actor
+from roles.critic import Critic
+from roles.modeling import all_reduce_sum
+from roles.reference import Reference
+from roles.reward import Reward
+from rollout.native import RolloutOutput, SamplingParams
+from tasks.data import PromptDataset, PromptSampler, load_prompt_records
+
+log = logging.getLogger("meshrl")
 
 
-def load_model(cfg: C.Config) -> torch.nn.Module:
-    arch = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    return AutoModelForCausalLM.from_pretrained(
-        cfg.model.path, config=arch, torch_dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code
-    )
+def rollout_batch(out: RolloutOutput, prompt_index: list[int], device: torch.device) -> Batch:
+    """The engine's output in the batch layout of roles/modeling.py: prompt + response per row, right-padded."""
+    n = len(out.prompt_ids)
+    p_len = torch.tensor([len(p) for p in out.prompt_ids], dtype=torch.long)
+    r_len = out.response_mask.sum(-1).long().cpu()
+    width = int((p_len + r_len).max()) if n else 1
+    ids = torch.zeros((n, width), dtype=torch.long)
+    resp = out.response_ids.cpu()
+    for i, prompt in enumerate(out.prompt_ids):
+        ids[i, : p_len[i]] = torch.tensor(prompt)
+        ids[i, p_len[i] : p_len[i] + r_len[i]] = resp[i, : r_len[i]]
+    batch = {
+        "input_ids": ids, "prompt_len": p_len, "response_len": r_len, "response_ids": resp,
+        "response_mask": out.response_mask.float().cpu(), "rollout_logprobs": out.logprobs.float().cpu(),
+        "prompt_index": torch.tensor(prompt_index, dtype=torch.long),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def timed(times: dict[str, float], name: str):
+    """Add the seconds spent in the block to times["timing_s/<name>"] (phases may run several times a step)."""
+    start = time.perf_counter()
+    yield
+    key = f"timing_s/{name}"
+    times[key] = times.get(key, 0.0) + time.perf_counter() - start
+
+
+class PPOTrainer:
+    def __init__(self, cfg: C.Config, layout: Layout, device: torch.device):
+        self.cfg, self.layout, self.device = cfg, layout, device
+        self.rank = layout.rank
+        algo = cfg.algorithm
+        self.use_critic = algo.adv_estimator == "gae"
+        self.use_ref = algo.kl.in_reward or algo.kl.in_loss
+        path = cfg.actor.model_path or cfg.model.path
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path,
+                                                       trust_remote_code=cfg.model.trust_remote_code)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
+                                                           cfg.data.ground_truth_key), self.tokenizer,
+                                       cfg.data.max_prompt_len)
+        self.eval_set = None
+        if cfg.data.eval_path:
+            self.eval_set = PromptDataset(load_prompt_records(cfg.data.eval_path, cfg.data.prompt_key,
+                                                              cfg.data.ground_truth_key), self.tokenizer,
+                                          cfg.data.max_prompt_len)
+        self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, seed=cfg.run.seed,
+                                     shuffle=cfg.data.shuffle)
+        steps_per_epoch = len(self.train_set) // cfg.data.batch_size
+        self.total_steps = cfg.run.epochs * steps_per_epoch if cfg.run.epochs else cfg.run.total_steps
+
+        self.pools = {role: layout.pool_of(role) for role in C.required_roles(cfg)}
+        trust = cfg.model.trust_remote_code
+        hosts = layout.hosts
+        self.actor = Actor(path, cfg.actor, self.pools["actor"], device, pad, self.total_steps, trust) \
+            if hosts("actor") else None
+        self.critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.critic, self.pools["critic"], device,
+                             self.total_steps, trust) if self.use_critic and hosts("critic") else None
+        self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
+                                   cfg.actor.micro_batch_tokens, trust) if self.use_ref and hosts("reference") else None
+        self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
+                             trust) if hosts("reward") else None
+
+        stops = tuple(sorted({*cfg.rollout.stop_token_ids, self.tokenizer.eos_token_id} - {None}))
+        r = cfg.rollout
+        self.train_params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, stops)
+        self.eval_params = SamplingParams(r.max_new_tokens, r.eval_temperature, 1.0, 0, r.eval_n, stops)
+        self.kl_ctl = make_kl_controller(algo.kl.controller, algo.kl.coef, algo.kl.target, algo.kl.horizon)
+        self.guard = GuardRails(algo.guard.kl_limit, algo.guard.var_limit)
+        rp = algo.replay
+        self.replay = ReplayBuffer(rp.capacity, rp.quality_threshold, rp.mix_fraction, rp.unit, cfg.run.seed) \
+            if rp.enabled else None
+        actor_pool = self.pools["actor"]
+        seed = cfg.run.seed * 1_000_003 + max(actor_pool.dp_rank, 0)
+        self.gen_rng = torch.Generator(device=device).manual_seed(seed)  # sampling tokens
+        self.cpu_rng = torch.Generator().manual_seed(seed)  # shuffles, resampling
+        self.logger = None
+        if self.rank == 0:
+            self.logger = MetricsLogger(os.path.join(cfg.run.output_dir, cfg.run.name), cfg.run.tensorboard)
+
+    # ------------------------------------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict[str, float]:
+        cfg, algo = self.cfg, self.cfg.algorithm
+        times: dict[str, float] = {}
+        t = functools.partial(timed, times)
+        P = self.pools
+        metrics: dict[str, float] = {}
+        indices = self.sampler.next_batch()  # the same global list on every rank
+
+        # 1. rollout on the actor pool, each dp rank its share of the prompts
+        batch = None
+        if self.actor is not None:
+            with t("gen"):
+                batch = self._generate(self.train_set, indices, self.train_params)
+            tokens = (batch["prompt_len"] + batch["response_len"]).sum()
+            metrics["perf/total_tokens"] = float(all_reduce_sum(tokens, P["actor"].dp_group))
+
+        # 2. the batch goes to the pools of reference, critic and reward (no-op for roles colocated with the actor)
+        with t("transfer"):
+            to_ref = transfer(batch, P["actor"], P["reference"], self.layout, self.device) if self.use_ref else None
+            to_critic = transfer(batch, P["actor"], P["critic"], self.layout, self.device) if self.use_critic else None
+            to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
+
+        # 3. reference log-probs, values, scores, old log-probs (at the same time where the pools are split)
+        ref, values, scores = {}, {}, {}
+        if self.reference is not None:
+            with t("ref"):
+                ref = {"ref_logprobs": self.reference.log_probs(to_ref, cfg.rollout.temperature)}
+        if self.critic is not None:
+            with t("values"):
+                values = {"values": self.critic.values(to_critic)}
+        if self.reward is not None:
+            with t("reward"):
+                s, reward_metrics, _ = self.reward.scores(to_reward, self.train_set.items)
+                scores = {"scores": s}
+                metrics.update(reward_metrics)
+        if self.actor is not None:
+            with t("old_logprobs"):
+                batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
+        with t("transfer"):
+            for got, role, on in ((ref, "reference", self.use_ref), (values, "critic", self.use_critic),
+                                  (scores, "reward", True)):
+                if on:
+                    back = transfer(got, P[role], P["actor"], self.layout, self.device)
+                    if batch is not None:
+                        batch.update(back)
+
+        # 4. on the actor pool: filters, KL shaping, advantages
+        if self.actor is not None:
+            with t("adv"):
+                batch, adv_metrics = self._advantages(batch)
+            metrics.update(adv_metrics)
+
+        # 5. updates: the critic's batch carries the returns to its pool
+        with t("transfer"):
+            critic_batch = transfer(batch, P["actor"], P["critic"], self.layout, self.device) \
+                if self.use_critic else None
+        if self.critic is not None:
+            with t("update_critic"):
+                metrics.update(self.critic.update(critic_batch, self.cpu_rng))
+        if self.actor is not None:
+            kl_loss = self.kl_ctl.value if algo.kl.in_loss else 0.0
+            with t("update_actor"):
+                metrics.update(self.actor.update(batch, cfg.rollout.temperature, kl_loss, algo.kl.kind,
+                                                 cfg.rollout.max_new_tokens, self.cpu_rng))
+            self._guard_rails(metrics)
+        metrics.update(times)
+        return metrics
+
+    def _generate(self, dataset: PromptDataset, indices: list[int], params: SamplingParams) -> Batch:
+        pool = self.pools["actor"]
+        mine = indices[pool.dp_rank :: pool.dp_size]
+        prompts = [dataset[i]["prompt_ids"] for i in mine]
+        out = self.actor.generate(prompts, params, self.gen_rng)
+        return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
+
+    def _advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        cfg, algo, f = self.cfg, self.cfg.algorithm, self.cfg.algorithm.filters
+        group = self.pools["actor"].dp_group
+        mask = batch["response_mask"]
+        m: dict[str, float] = {}
+        raw = batch["scores"]
+        m.update(_stats("reward/score", raw))
+        m["response_length/mean"] = batch["response_len"].float().mean().item()
+        m["response_length/clip_ratio"] = (batch["response_len"] >= cfg.rollout.max_new_tokens).float().mean().item()
+        scores = raw.clone()
+        if f.overlong_buffer:
+            scores = scores + overlong_penalty(batch["response_len"], cfg.rollout.max_new_tokens, f.overlong_buffer,
+                                               f.overlong_penalty)
+        m["reward/score/var"] = scores.var().item() if scores.numel() > 1 else 0.0
+        n = cfg.rollout.n
+
+        # advantages on whole groups, before anything is dropped
+        kl_mat = None
+        if self.use_ref:
+            kl_mat = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.kind) * mask
+            m["actor/reward_kl"] = (kl_mat.sum() / mask.sum().clamp(min=1)).item()
+        token_rewards = None
+        if algo.adv_estimator in ("gae", "reinforce_pp"):
+            if algo.kl.in_reward:
+                token_rewards, _ = kl_in_reward(scores, batch["old_logprobs"], batch["ref_logprobs"], mask,
+                                                self.kl_ctl.value, algo.kl.kind)
+            else:
+                token_rewards, _ = kl_in_reward(scores, batch["old_logprobs"], batch["old_logprobs"], mask, 0.0)
+        if algo.adv_estimator == "gae":
+            adv, ret = A.gae(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
+            if algo.whiten_advantages:
+                adv = global_whiten(adv, mask, group)
+            batch["returns"] = ret
+            m["critic/vf_explained_var"] = explained_variance(batch["values"], ret, mask)
+            m.update(_stats("critic/values", batch["values"][mask.bool()]))
+        elif algo.adv_estimator == "reinforce_pp":
+            adv, ret = A.reinforce_pp(token_rewards, mask, algo.gamma)
+            batch["returns"] = ret
+        elif algo.adv_estimator == "grpo":
+            adv = A.grpo(scores, n, mask, norm_by_std=algo.norm_by_std)
+        else:
+            adv = A.rloo(scores, n, mask)
+        batch["advantages"] = adv
+        if kl_mat is not None and algo.kl.in_reward:
+            self.kl_ctl.update(float(all_reduce_sum(kl_mat.sum(), group) / all_reduce_sum(mask.sum(), group)),
+                               cfg.data.batch_size * n)
+        m["actor/kl_coef"] = self.kl_ctl.value
+
+        # threshold filters, DAPO dynamic sampling, PF-PPO resampling, replay
+        keep = reward_threshold_mask(scores, self._min_reward(), f.filter_ratio)
+        if f.dynamic_sampling:
+            groups_keep, dropped = dynamic_sampling_keep(scores, n)
+            keep &= groups_keep
+            m["data/dropped_groups"] = float(dropped)
+        m["data/kept_fraction"] = keep.float().mean().item()
+        if self.replay is not None:
+            self.replay.add({k: v for k, v in batch.items()}, scores)
+        batch = select(batch, keep.nonzero().squeeze(1))
+        if f.pf_ppo != "off" and batch_size(batch):
+            batch = select(batch, pf_ppo_resample(batch["scores"], f.pf_ppo, f.weight_pow, self.cpu_rng))
+        if self.replay is not None and batch_size(batch):
+            batch = self.replay.mix(batch)
+            m.update(self.replay.metrics())
+        return batch, m
+
+    def _min_reward(self) -> float | None:
+        base = self.cfg.algorithm.filters.min_reward
+        raise_by = self.guard.metrics()["guard/min_reward"]
+        if base is None:
+            return None if raise_by == 0 else raise_by
+        return base + raise_by
+
+    def _guard_rails(self, metrics: dict[str, float]) -> None:
+        g = self.cfg.algorithm.guard
+        if g.kl_limit is None and g.var_limit is None:
+            return
+        kl_now = metrics.get("actor/ppo_kl") if g.kl_limit is not None else None
+        var_now = metrics.get("reward/score/var") if g.var_limit is not None else None
+        # every actor rank must take the same decision: use the dp-averaged measurements
+        group = self.pools["actor"].dp_group
+        size = dist.get_world_size(group)
+        vals = torch.tensor([kl_now or 0.0, var_now or 0.0])
+        dist.all_reduce(vals, group=group)
+        vals /= size
+        events = self.guard.step(float(vals[0]) if kl_now is not None else None,
+                                 float(vals[1]) if var_now is not None else None)
+        self.actor.lr_scale = self.guard.metrics()["guard/lr_scale"]
+        for e in events:
+            log.info("guard rail: %s", e)
+        metrics.update(self.guard.metrics())
+
+    # ------------------------------------------------------------------------------------------------ eval
+    def evaluate(self) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
+        """Greedy (rollout.eval_temperature) responses to the held-out prompts, scored by the reward pool."""
+        if self.eval_set is None:
+            return {}, []
+        P = self.pools
+        n_eval = self.cfg.data.eval_size or len(self.eval_set)
+        indices = list(range(min(n_eval, len(self.eval_set))))
+        batch = None
+        if self.actor is not None:
+            batch = self._generate(self.eval_set, indices, self.eval_params)
+        to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
+        scores = {}
+        if self.reward is not None:
+            s, _, _ = self.reward.scores(to_reward, self.eval_set.items)
+            scores = {"scores": s}
+        back = transfer(scores, P["reward"], P["actor"], self.layout, self.device)
+        local: dict[str, float] = {}
+        samples = []
+        if self.actor is not None:
+            s = back["scores"]
+            group = P["actor"].dp_group
+            count = all_reduce_sum(torch.tensor(float(s.numel())), group)
+            local["eval/score/mean"] = float(all_reduce_sum(s.sum(), group) / count)
+            local["eval/accuracy"] = float(all_reduce_sum((s >= 1.0).float().sum(), group) / count)
+            local["eval/response_length/mean"] = float(
+                all_reduce_sum(batch["response_len"].float().sum(), group) / count)
+            texts = self.tokenizer.batch_decode(
+                [r[:n] for r, n in zip(batch["response_ids"].tolist(), batch["response_len"].tolist())],
+                skip_special_tokens=True)
+            for i in range(min(4, len(texts))):
+                item = self.eval_set[int(batch["prompt_index"][i])]
+                samples.append((item["prompt_text"], texts[i], float(s[i])))
+        return local, samples
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg
+        first = self._eval_and_log(0)
+        last = first
+        for step in range(1, self.total_steps + 1):
+            start = time.perf_counter()
+            local = self.step(step)
+            local["timing_s/step"] = time.perf_counter() - start
+            local["perf/max_memory_allocated_gb"] = memory_gb(self.device)
+            merged = gather_metrics(local)
+            if self.rank == 0:
+                merged["perf/throughput"] = merged.pop("perf/total_tokens", 0.0) / merged["timing_s/step"] / \
+                    self.layout.world_size
+                merged["data/epoch"] = self.sampler.state_dict().get("epoch", 0)
+            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != self.total_steps:
+                last = self._eval_and_log(step, merged)
+            elif step == self.total_steps:
+                last = self._eval_and_log(step, merged)
+            elif self.rank == 0:
+                self._emit(step, merged)
+        if self.reward is not None:
+            self.reward.close()
+        if self.logger is not None:
+            self.logger.close()
+        nan = float("nan")
+        return {"before": first.get("eval/score/mean", nan), "after": last.get("eval/score/mean", nan)}
+
+    def _eval_and_log(self, step: int, merged: dict[str, float] | None = None) -> dict[str, float]:
+        local, samples = self.evaluate()
+        ev = gather_metrics(local)
+        if self.rank != 0:
+            return {}
+        merged = {**(merged or {}), **ev}
+        self._emit(step, merged)
+        for prompt, response, score in samples:
+            self.logger.text("eval/samples", f"**prompt** {prompt!r}  \n**response** {response!r}  \n"
+                                             f"**score** {score:.3f}", step)
+        return ev
+
+    def _emit(self, step: int, merged: dict[str, float]) -> None:
+        self.logger.log(step, merged)
+        if step % self.cfg.run.log_every == 0 or step == self.total_steps:
+            self.logger.console(step, self.total_steps, merged)
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.float()
+    if x.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
+
+
+def global_whiten(x: torch.Tensor, mask: torch.Tensor, group, eps: float = 1e-8) -> torch.Tensor:
+    """masked_whiten with the mean and variance of the whole batch over the data-parallel ranks."""
+    m = mask.float()
+    stats = all_reduce_sum(torch.stack([(x * m).sum(), m.sum()]), group)
+    mean = stats[0] / stats[1].clamp(min=1)
+    var = all_reduce_sum(((x - mean) ** 2 * m).sum(), group) / (stats[1] - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the response tokens of this rank."""
+    m = mask.bool()
+    if m.sum() < 2:
+        return 0.0
+    ret, val = returns[m], values[m]
+    var = ret.var()
+    return float(1 - (ret - val).var() / var) if var > 0 else 0.0
+
+
+def setup(cfg: C.Config, rank: int) -> C.Config:
+    """Quickstart assets (built once by rank 0 while the others wait), then the data files must exist."""
+    if cfg.quickstart.enabled:
+        if rank == 0:
+            from tasks.quickstart import prepare_quickstart
+
+            prepare_quickstart(cfg.quickstart, cfg.run.seed)
+        dist.barrier()
+    return cfg
+
+
+def quiet_libraries() -> None:
+    """Keep the console to our own lines: no per-model load reports or progress bars from transformers, and no
+    FSDP2 warning about view outputs (the roles never modify model outputs in place)."""
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
 def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    quiet_libraries()
     rank, world, _ = env_world()
     cfg = C.parse_or_exit(argv, world, rank)
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s, cfg.run.device)
+    torch.manual_seed(cfg.run.seed)
+    setup(cfg, info.rank)
     layout = build_layout(C.pools_of(cfg, info.world_size), info.device.type)
     if info.rank == 0:
         print(layout.describe(), flush=True)
-    pool = layout.my_pool
-    torch.manual_seed(cfg.run.seed)
-    model = load_model(cfg).to(info.device)
-    model = shard_model(model, pool, cfg.fsdp)
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(cfg.run.seed + pool.dp_rank)
-    for step in range(cfg.smoke.steps):
-        ids = torch.randint(0, vocab, (cfg.smoke.batch_size, cfg.smoke.seq_len), generator=gen).to(info.device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG, group=pool.dp_group)
-        if pool.dp_rank == 0 and pool.tp_rank == 0:
-            print(f"pool {pool.name} step {step} loss {loss.item():.4f}", flush=True)
+    try:
+        trainer = PPOTrainer(cfg, layout, info.device)
+    except ValueError as e:  # bad data or reward spec: every rank hits it, before any step
+        if info.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        shutdown()
+        return 2
+    result = trainer.fit()
+    if info.rank == 0:
+        print(f"eval/score/mean: {result['before']:.3f} at the start -> {result['after']:.3f} at the end", flush=True)
     shutdown()
     return 0
 

@@ -57,3 +57,18 @@ def write_addition_dataset(
         with open(paths[name], "w", encoding="utf-8") as f:
             f.writelines(json.dumps(record) + "\n" for record in records)
     return paths
+
+
+def addition_reward(response: str, ground_truth: str | None, prompt: str = "") -> float:
+    """The quickstart's reward in [0, 1]: 1 for the exact answer, otherwise partial credit
+    0.5 * (digits right at their position from the left) / max(len(response), len(answer)), so that a nearly right
+    answer scores above a wrong one and the signal is dense enough for a tiny model to climb."""
+    if ground_truth is None:
+        raise ValueError("addition_reward needs a ground truth")
+    answer, guess = ground_truth.strip(), response.strip()
+    if guess == answer:
+        return 1.0
+    if not guess:
+        return 0.0
+    right = sum(a == b for a, b in zip(guess, answer))
+    return 0.5 * right / max(len(guess), len(answer))

@@ -17,11 +17,13 @@ def write(tmp_path, data, name="cfg.yaml"):
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
-    path = write(tmp_path, {"run": {"name": "x", "seed": 3}, "optim": {"lr": "1e-5"}})
-    cfg = C.load_config(path, ["optim.lr=2e-6", "placement.mode=split", "fsdp.cpu_offload=true"])
+    path = write(tmp_path, {"run": {"name": "x", "seed": 3}, "actor": {"optim": {"lr": "1e-5"}}})
+    cfg = C.load_config(path, ["actor.optim.lr=2e-6", "placement.mode=split", "critic.fsdp.cpu_offload=true",
+                               "reward.functions=[{spec: exact_match, weight: 0.5}]"])
     assert cfg.run.name == "x" and cfg.run.seed == 3
-    assert cfg.optim.lr == 2e-6 and isinstance(cfg.optim.lr, float)
-    assert cfg.placement.mode == "split" and cfg.fsdp.cpu_offload is True
+    assert cfg.actor.optim.lr == 2e-6 and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.placement.mode == "split" and cfg.critic.fsdp.cpu_offload is True
+    assert cfg.reward.functions[0].spec == "exact_match" and cfg.reward.functions[0].weight == 0.5
     assert cfg.run.total_steps == C.RunConfig().total_steps
 
 
@@ -29,12 +31,13 @@ def test_defaults_yaml_and_overrides(tmp_path):
     "raw, overrides, needle",
     [
         ({"run": {"nmae": "x"}}, [], "unknown key 'run.nmae'; did you mean 'run.name'?"),
-        ({"optimm": {}}, [], "did you mean 'optim'?"),
+        ({"actor": {"optimm": {}}}, [], "did you mean 'actor.optim'?"),
         ({"run": {"seed": "three"}}, [], "run.seed='three': expected an integer"),
         ({"run": {"seed": 1.5}}, [], "run.seed=1.5: expected an integer"),
-        ({"fsdp": {"cpu_offload": "yes"}}, [], "fsdp.cpu_offload='yes': expected true or false"),
+        ({"actor": {"fsdp": {"cpu_offload": "yes"}}}, [], "actor.fsdp.cpu_offload='yes': expected true or false"),
         ({}, ["placement.mode=ring"], "placement.mode='ring': must be one of 'colocate', 'split'"),
-        ({}, ["optim.lr"], "expected KEY=VALUE"),
+        ({}, ["actor.optim.lr"], "expected KEY=VALUE"),
+        ({}, ["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator='ppo': must be one of 'gae', 'grpo'"),
         ({"placement": {"pools": [{"name": "a", "sise": 2}]}}, [], "did you mean 'placement.pools[0].size'?"),
     ],
 )
@@ -95,3 +98,19 @@ def test_every_rank_stops_under_torchrun(tmp_path):
     assert out.count("config error: placement.tp=4: must divide the pool size 2") == 1, explain(proc)
     # torchrun reports each worker's own exit code; both ranks stopped with 2, none ran on
     assert "exitcode: 2" in out and "Traceback (most recent call last):\n  File \"/" not in proc.stdout, explain(proc)
+
+
+def test_base_file_is_read_first(tmp_path):
+    (tmp_path / "parent.yaml").write_text(yaml.safe_dump({"run": {"name": "p", "seed": 5}, "rollout": {"n": 4}}))
+    child = write(tmp_path, {"base": "parent.yaml", "run": {"name": "c"}}, name="child.yaml")
+    cfg = C.load_config(child)
+    assert (cfg.run.name, cfg.run.seed, cfg.rollout.n) == ("c", 5, 4)
+    loop = write(tmp_path, {"base": "loop.yaml"}, name="loop.yaml")
+    with pytest.raises(C.ConfigError, match="include each other"):
+        C.load_config(loop)
+
+
+def test_shipped_configs_load():
+    for name in ("quickstart.yaml", "quickstart_split.yaml"):
+        cfg = C.load_config(f"configs/{name}")
+        C.check_ppo(cfg, 4 if "split" in name else 1)

@@ -30,3 +30,21 @@ def hangs_on_request(response: str, ground_truth: str | None, prompt: str) -> fl
     while response == "hang":
         time.sleep(3600)
     return float(len(response))
+
+
+def ones_fraction(response: str, ground_truth: str | None, prompt: str) -> float:
+    """Trivially learnable: the fraction of the response's characters that are "1" (0 for an empty response)."""
+    return response.count("1") / len(response) if response else 0.0
+
+
+def flaky_ones(response: str, ground_truth: str | None, prompt: str) -> float:
+    """ones_fraction, but raises on responses containing "5", and hangs exactly once per test session: on its first
+    call while the file named by MESHRL_TEST_HANG_MARKER does not exist yet."""
+    marker = os.environ.get("MESHRL_TEST_HANG_MARKER")
+    if marker and not os.path.exists(marker):
+        open(marker, "w").close()
+        while True:
+            time.sleep(3600)
+    if "5" in response:
+        raise ValueError(f"deliberate failure on {response!r}")
+    return ones_fraction(response, ground_truth, prompt)

@@ -1,0 +1,74 @@
+"""Run monitoring on the logging rank: `metrics.jsonl` (one line per step), TensorBoard scalars and text, and a
+console line per step. Other ranks send their metrics to rank 0 with `gather_metrics`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def gather_metrics(local: dict[str, float]) -> dict[str, float]:
+    """Every rank calls; rank 0 gets each key averaged over the ranks that reported it (others get {})."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    if dist.get_rank() != 0:
+        return {}
+    sums: dict[str, list[float]] = {}
+    for metrics in everyone:
+        for k, v in metrics.items():
+            sums.setdefault(k, []).append(float(v))
+    return {k: (sum(v) if k.startswith(SUMMED) else sum(v) / len(v)) for k, v in sorted(sums.items())}
+
+
+# counters add up over ranks; everything else is a mean
+SUMMED = ("reward_fn/errors", "reward_fn/timeouts", "data/")
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, tensorboard: bool = True):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=run_dir)
+        self.start = time.time()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.tb is not None:
+            self.tb.add_text(tag, text, step)
+
+    def console(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        keys = ("reward/score/mean", "eval/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl",
+                "response_length/mean", "timing_s/step", "perf/throughput")
+        parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics]
+        print(f"step {step}/{total} " + " ".join(parts), flush=True)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

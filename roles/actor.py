@@ -1,0 +1,118 @@
+"""The actor: the policy being trained. Owns its model, optimizer and LR schedule, and the rollout engine that
+generates with the same parameters in place."""
+
+from __future__ import annotations
+
+import torch
+
+from algo.advantages import as_bool_mask
+from algo.losses import aggregate, entropy_from_logits, kl, logprobs_from_logits, policy_loss
+from batch import Batch, batch_size, select
+from parallel.fsdp import shard_model
+from parallel.layout import Pool
+from roles.modeling import (
+    add_metric,
+    all_reduce_sum,
+    at_response,
+    forward,
+    grad_norm_and_clip,
+    join_rows,
+    load_causal_lm,
+    lr_factor,
+    make_optimizer,
+    mean_metrics,
+    micro_batches,
+    mini_batch_count,
+)
+from rollout.native import NativeEngine, RolloutOutput, SamplingParams
+
+
+class Actor:
+    def __init__(self, path: str, cfg, pool: Pool, device: torch.device, pad_token_id: int, total_steps: int,
+                 trust_remote_code: bool = False):
+        """cfg: config.ActorConfig."""
+        self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
+        self.model = shard_model(load_causal_lm(path, trust_remote_code).to(device), pool, cfg.fsdp)
+        self.optimizer = make_optimizer(self.model, cfg.optim)
+        self.lr_scale = 1.0  # guard rails back the learning rate off through this
+        self.step_count = 0
+        tp_group = pool.mesh.get_group("tp") if pool.tp > 1 else None
+        self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None) -> RolloutOutput:
+        return self.engine.generate(prompts, params, generator)
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """[B, R] log-probs of the response tokens under the current weights (teacher-forced)."""
+        self.model.eval()
+        out = []
+        for mb in micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group):
+            logits = at_response(forward(self.model, mb), mb)
+            out.append(logprobs_from_logits(logits, mb["response_ids"], temperature))
+        return join_rows(out, batch)
+
+    def current_lr(self) -> float:
+        return self.cfg.optim.lr * lr_factor(self.step_count, self.cfg.optim, self.total_steps) * self.lr_scale
+
+    def update(self, batch: Batch, temperature: float, kl_loss_coef: float = 0.0, kl_kind: str = "k1",
+               max_response_len: int | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
+        """PPO epochs x mini-batches x micro-batches on this rank's samples. Needs old_logprobs, advantages
+        (and ref_logprobs when kl_loss_coef > 0). Losses are normalised by global counts over the dp group, so
+        the update does not depend on how samples are split over micro-batches or ranks."""
+        cfg, group = self.cfg, self.pool.dp_group
+        dp = self.pool.dp_size
+        lr = self.current_lr()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        sums: dict[str, float] = {}
+        n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
+        skipped = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(batch_size(batch), generator=generator)
+            for chunk in torch.tensor_split(order, n_mini):
+                mini = select(batch, chunk.to(batch["response_mask"].device))
+                mask = as_bool_mask(mini["response_mask"], mini["response_mask"].shape)
+                tokens = all_reduce_sum(mask.sum(), group)
+                seqs = all_reduce_sum(mask.any(-1).sum(), group)
+                for mb in micro_batches(mini, cfg.micro_batch_tokens, group):
+                    logits = at_response(forward(self.model, mb), mb)
+                    logp = logprobs_from_logits(logits, mb["response_ids"], temperature)
+                    m = mb["response_mask"]
+                    norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
+                    pg, metrics = policy_loss(
+                        logp, mb["old_logprobs"], mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                        cfg.loss_agg, rollout_logprobs=mb.get("rollout_logprobs") if cfg.tis_cap else None,
+                        tis_cap=cfg.tis_cap, **norms,
+                    )
+                    with torch.set_grad_enabled(cfg.entropy_coef > 0):
+                        ent = aggregate(entropy_from_logits(logits / temperature), m, cfg.loss_agg, **norms)
+                    loss = pg - cfg.entropy_coef * ent
+                    if kl_loss_coef > 0:
+                        kl_term = aggregate(kl(logp, mb["ref_logprobs"], kl_kind), m, cfg.loss_agg, **norms)
+                        loss = loss + kl_loss_coef * kl_term
+                        add_metric(sums, "actor/kl_loss", kl_term.item())
+                    # FSDP averages gradients over the dp ranks; the losses are already global sums
+                    (loss * dp).backward()
+                    add_metric(sums, "actor/pg_loss", pg.item())
+                    add_metric(sums, "actor/entropy", ent.item())
+                    for k, v in metrics.items():
+                        add_metric(sums, f"actor/{k}", float(v))
+                norm = grad_norm_and_clip(self.model, cfg.optim.grad_clip)
+                if torch.isfinite(norm):
+                    self.optimizer.step()
+                else:
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                add_metric(sums, "actor/grad_norm", norm.item())
+        self.step_count += 1
+        out = mean_metrics(sums)
+        # pg_loss / entropy are per-micro-batch parts of a global mean: their sum per mini-batch is the loss
+        n_updates = cfg.ppo_epochs * n_mini
+        for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+            if k in sums:
+                out[k] = sums[k][0] / n_updates
+        out.update({"actor/lr": lr, "actor/skipped_steps": float(skipped)})
+        return out
+

@@ -1,0 +1,182 @@
+"""Model-side helpers shared by the roles: loading HF models, the batch layout, micro-batches, per-token outputs.
+
+The batch layout (see batch.py): `input_ids` [B, L] holds each sample's prompt then its response, right-padded;
+`prompt_len`, `response_len` [B]; response-aligned tensors (`response_ids`, `response_mask`, log-probs, values,
+advantages) are [B, R], token t of row b sitting at position prompt_len[b] + t of `input_ids`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from algo.advantages import as_bool_mask
+from batch import Batch, batch_size, select
+from parallel.transfer import balanced_bounds
+
+FULL_WIDTH_KEYS = ("input_ids", "attention_mask")  # [B, L]; every other 2-D key is response-aligned [B, R]
+
+
+def load_causal_lm(path: str, trust_remote_code: bool = False) -> nn.Module:
+    """An HF causal LM in float32 (master weights; FSDP's mixed precision casts for compute)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+
+
+def load_value_model(path: str, trust_remote_code: bool = False) -> nn.Module:
+    """A per-token scalar head on a causal-LM backbone (critic), or a reward model's head read per token.
+
+    AutoModelForTokenClassification with one label shares the parameter names (`model.*`, `score.*`) of the
+    sequence-classification reward models, so one class loads both: a causal-LM checkpoint gives a fresh head,
+    a reward-model checkpoint gives its trained head. Dropout is off: values must not be noisy.
+    """
+    arch = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    arch.num_labels = 1
+    arch.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(
+        path, config=arch, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
+
+
+def seq_len(batch: Batch) -> torch.Tensor:
+    return batch["prompt_len"] + batch["response_len"]
+
+
+def response_index(batch: Batch, width: int) -> torch.Tensor:
+    """[B, R] positions in `input_ids` of the outputs that predict each response token (one before it)."""
+    r = batch["response_mask"].shape[1]
+    idx = batch["prompt_len"][:, None] - 1 + torch.arange(r, device=batch["prompt_len"].device)[None]
+    return idx.clamp(max=width - 1)
+
+
+def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Per-position outputs [B, L, ...] (logits, values) of the model on `input_ids`."""
+    ids = batch["input_ids"]
+    mask = (torch.arange(ids.shape[1], device=ids.device)[None] < seq_len(batch)[:, None]).long()
+    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def at_response(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Gather [B, L, ...] outputs at the positions predicting each response token -> [B, R, ...]."""
+    idx = response_index(batch, outputs.shape[1])
+    if outputs.dim() == 2:
+        return outputs.gather(1, idx)
+    return outputs.gather(1, idx[..., None].expand(-1, -1, *outputs.shape[2:]))
+
+
+def trim(batch: Batch) -> Batch:
+    """Drop padding columns beyond the longest sample of this (micro-)batch."""
+    if batch_size(batch) == 0:
+        return batch
+    full = int(seq_len(batch).max())
+    resp = max(int(batch["response_len"].max()), 1)
+    return {k: (v[:, :full] if k in FULL_WIDTH_KEYS else v[:, :resp]) if v.dim() >= 2 else v for k, v in batch.items()}
+
+
+def dummy_row(batch: Batch) -> Batch:
+    """One all-padding sample with the batch's keys: a rank with no samples still joins the sharded forwards."""
+    out = {}
+    for k, v in batch.items():
+        shape = (1, 1, *v.shape[2:]) if v.dim() >= 2 else (1, *v.shape[1:])
+        out[k] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+    out["prompt_len"] = torch.ones_like(out["prompt_len"])
+    return out
+
+
+def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | None) -> list[Batch]:
+    """Split a rank's samples into consecutive micro-batches of at most ~token_budget padded tokens.
+
+    Every rank of `group` (the data-parallel group) gets the same number of micro-batches, because each
+    forward of an FSDP model is a collective; a rank with fewer samples gets smaller ones, or all-padding rows.
+    """
+    n = batch_size(batch)
+    width = int(seq_len(batch).max()) if n else 1
+    count = torch.tensor([max(1, math.ceil(n * width / max(token_budget, 1)))])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    bounds = balanced_bounds(n, int(count))
+    out = [trim(select(batch, slice(lo, hi))) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    # padding rows go last, so the outputs of the real rows come first, in order (see join_rows)
+    return out + [dummy_row(batch)] * (int(count) - len(out))
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    x = x.detach().clone().float()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def grad_norm_and_clip(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (sharded DTensors included), then scale them to at most max_norm.
+
+    Written per parameter rather than with clip_grad_norm_ because TP+FSDP parameters live on different meshes.
+    A non-finite norm leaves the gradients untouched: the caller skips that optimizer step.
+    """
+    total = None
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for g in grads:
+        sq = g.detach().float().pow(2).sum()
+        if hasattr(sq, "full_tensor"):
+            sq = sq.full_tensor()
+        total = sq if total is None else total + sq
+    norm = total.sqrt() if total is not None else torch.zeros(())
+    if max_norm > 0 and torch.isfinite(norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device) if not hasattr(g, "device_mesh") else coef.item())
+    return norm
+
+
+def make_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW (config.OptimConfig); the learning rate is set before each update from `lr_factor`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                             weight_decay=optim_cfg.weight_decay)
+
+
+def lr_factor(step: int, optim_cfg, total_steps: int) -> float:
+    """Warmup (linear from 0) then constant, or cosine down to min_lr_ratio at total_steps."""
+    if optim_cfg.warmup_steps and step < optim_cfg.warmup_steps:
+        return (step + 1) / optim_cfg.warmup_steps
+    if optim_cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - optim_cfg.warmup_steps)
+    progress = min(1.0, (step - optim_cfg.warmup_steps) / span)
+    return optim_cfg.min_lr_ratio + (1 - optim_cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def mini_batch_count(local_n: int, mini_batch_size: int, group) -> int:
+    """Optimizer steps per epoch: the same on every dp rank (each step ends in a gradient collective)."""
+    total = all_reduce_sum(torch.tensor(float(local_n)), group)
+    if mini_batch_size <= 0:
+        return 1
+    return max(1, int(torch.ceil(total / mini_batch_size)))
+
+
+def join_rows(parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+    """Concatenate per-micro-batch [b, r] outputs back to [B, R] (dropping rows added for empty ranks)."""
+    n, width = batch_size(batch), batch["response_mask"].shape[1]
+    out = torch.zeros((n, width), dtype=torch.float32, device=batch["response_mask"].device)
+    row = 0
+    for p in parts:
+        take = min(p.shape[0], n - row)
+        if take <= 0:
+            break
+        out[row : row + take, : p.shape[1]] = p[:take].float()
+        row += take
+    assert row == n, "micro-batch outputs do not cover the batch"
+    return out * as_bool_mask(batch["response_mask"], batch["response_mask"].shape)
+
+
+def add_metric(sums: dict, key: str, value: float, weight: float = 1.0) -> None:
+    s, w = sums.get(key, (0.0, 0.0))
+    sums[key] = (s + value * weight, w + weight)
+
+
+def mean_metrics(sums: dict) -> dict[str, float]:
+    return {k: s / w for k, (s, w) in sums.items() if w}
+

@@ -1,0 +1,28 @@
+"""The reference policy: a frozen copy of the initial actor, for the KL penalty."""
+
+from __future__ import annotations
+
+import torch
+
+from algo.losses import logprobs_from_logits
+from batch import Batch
+from parallel.fsdp import shard_model
+from parallel.layout import Pool
+from roles.modeling import at_response, forward, join_rows, load_causal_lm, micro_batches
+
+
+class Reference:
+    def __init__(self, path: str, cfg, pool: Pool, device: torch.device, micro_batch_tokens: int,
+                 trust_remote_code: bool = False):
+        """cfg: config.ReferenceConfig."""
+        self.pool, self.micro_batch_tokens = pool, micro_batch_tokens
+        model = load_causal_lm(path, trust_remote_code).to(device).eval().requires_grad_(False)
+        self.model = shard_model(model, pool, cfg.fsdp, train=False)
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """[B, R] log-probs of the response tokens under the reference policy."""
+        out = []
+        for mb in micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group):
+            out.append(logprobs_from_logits(at_response(forward(self.model, mb), mb), mb["response_ids"], temperature))
+        return join_rows(out, batch)

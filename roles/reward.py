@@ -1,0 +1,64 @@
+"""The reward: function rewards (answer match, user `module:function`) and/or a reward model, combined with weights."""
+
+from __future__ import annotations
+
+import torch
+
+from batch import Batch
+from parallel.fsdp import shard_model
+from parallel.layout import Pool
+from roles.modeling import forward, load_value_model, micro_batches, seq_len
+from tasks.rewards import RewardFunctionRunner
+
+
+class Reward:
+    def __init__(self, cfg, pool: Pool, device: torch.device, tokenizer, micro_batch_tokens: int,
+                 trust_remote_code: bool = False):
+        """cfg: config.RewardConfig."""
+        self.cfg, self.pool, self.tokenizer, self.micro_batch_tokens = cfg, pool, tokenizer, micro_batch_tokens
+        self.model = None
+        if cfg.model_path:
+            model = load_value_model(cfg.model_path, trust_remote_code).to(device).eval().requires_grad_(False)
+            self.model = shard_model(model, pool, cfg.fsdp, train=False)
+        self.functions = [(RewardFunctionRunner(f.spec, cfg.num_workers, cfg.timeout_s), f.weight, f.spec)
+                          for f in cfg.functions]
+
+    def close(self) -> None:
+        for runner, _, _ in self.functions:
+            runner.close()
+
+    def decode_responses(self, batch: Batch) -> list[str]:
+        ids, lens = batch["response_ids"].tolist(), batch["response_len"].tolist()
+        return self.tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
+
+    @torch.no_grad()
+    def scores(self, batch: Batch, records: list[dict]) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+        """Scores [B] (float32): model_weight x the model's score at the last token + sum of weight x function.
+        `records[batch["prompt_index"][i]]` holds the sample's ground truth and prompt text."""
+        n = batch["response_ids"].shape[0]
+        device = batch["response_ids"].device
+        total = torch.zeros(n, dtype=torch.float32, device=device)
+        metrics: dict[str, float] = {}
+        texts = self.decode_responses(batch)
+        if self.model is not None:
+            parts = []
+            for mb in micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group):
+                values = forward(self.model, mb).squeeze(-1).float()
+                parts.append(values.gather(1, (seq_len(mb) - 1).clamp(min=0)[:, None]).squeeze(1))
+            model_scores = torch.cat(parts)[:n]
+            total += self.cfg.model_weight * model_scores
+            if n:
+                metrics["reward/model_score/mean"] = model_scores.mean().item()
+        if self.functions:
+            picked = [records[i] for i in batch["prompt_index"].tolist()]
+            truths = [r["ground_truth"] for r in picked]
+            prompts = [r["prompt_text"] for r in picked]
+            for runner, weight, spec in self.functions:
+                values, stats = runner(texts, truths, prompts)
+                values = torch.tensor(values, dtype=torch.float32, device=device)
+                total += weight * values
+                if n:
+                    metrics[f"reward/fn/{spec}/mean"] = values.mean().item()
+                for key, count in stats.items():
+                    metrics[key] = metrics.get(key, 0.0) + float(count)
+        return total, metrics, texts

@@ -1,0 +1,137 @@
+"""torchrun worker for tests/test_rollout_native.py: NativeEngine on an FSDP2-sharded and on a TP=2 model.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/rollout_fsdp_tp.py
+
+Gloo on CPU. Every check compares against an unsharded copy of the same model run locally. On the first failed check
+the rank prints a line with MISMATCH and exits 1; on success each rank prints 'rank R: all checks passed'.
+"""
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from rollout.native import NativeEngine, RolloutOutput, SamplingParams
+
+PAD = 0
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        print(f"rank {dist.get_rank()}: MISMATCH {what}", flush=True)
+        sys.exit(1)
+
+
+def check_same(got: RolloutOutput, expected: RolloutOutput, what: str, atol: float = 1e-5) -> None:
+    check(got.prompt_ids == expected.prompt_ids, f"{what}: prompt_ids {got.prompt_ids} != {expected.prompt_ids}")
+    check(
+        torch.equal(got.response_ids, expected.response_ids),
+        f"{what}: response_ids\n{got.response_ids}\n!=\n{expected.response_ids}",
+    )
+    check(torch.equal(got.response_mask, expected.response_mask), f"{what}: response_mask differs")
+    check(torch.allclose(got.logprobs, expected.logprobs, atol=atol), f"{what}: logprobs differ")
+
+
+def check_fsdp(mesh: DeviceMesh) -> None:
+    rank = dist.get_rank()
+    model = tiny_model()
+    reference = NativeEngine(copy.deepcopy(model), PAD)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.train()
+    engine = NativeEngine(model, PAD, lockstep_group=mesh.get_group())
+    # With the parameters unsharded once per rollout a missing lockstep would not hang here, so count the forwards.
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+
+    # Different prompts, lengths and stop tokens per rank, so the ranks finish at different steps.
+    if rank == 0:
+        prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, temperature=0)
+    else:
+        prompts = [[7, 8, 9, 10], [11], [12, 13, 14, 15, 16, 17]]
+        params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(15, 40))
+    check_same(engine.generate(prompts, params), reference.generate(prompts, params), "fsdp greedy")
+
+    # A rank without prompts still takes part in its group's forwards.
+    prompts = [] if rank == 0 else [[21, 22], [23, 24, 25]]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    out = engine.generate(prompts, params)
+    if rank == 0:
+        check(out.response_ids.shape == (0, 0) and out.prompt_ids == [], f"fsdp empty rank: {out}")
+    else:
+        check_same(out, reference.generate(prompts, params), "fsdp with an empty rank")
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(forwards))
+    check(len(set(counts)) == 1, f"fsdp: ranks made different numbers of forwards {counts}")
+
+    check(model.training, "fsdp: training flag not restored")
+    check(all(isinstance(p, DTensor) for p in model.parameters()), "fsdp: parameters not resharded")
+    # Training still works after the rollout toggled FSDP's reshard settings.
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    check(all(p.grad is not None for p in model.parameters()), "fsdp: backward after generate lost gradients")
+
+
+def check_tp(mesh: DeviceMesh) -> None:
+    model = tiny_model()
+    reference = NativeEngine(copy.deepcopy(model), PAD)
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    check(model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0] == 16, "tp: q_proj is not sharded")
+    engine = NativeEngine(model, PAD, tp_group=mesh.get_group())
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(30,))
+    check_same(engine.generate(prompts, params), reference.generate(prompts, params), "tp greedy")
+
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, n=2)
+    for name, seed in (("same seed", 1234), ("seed differing per rank", 100 + dist.get_rank())):
+        out = engine.generate(prompts, params, torch.Generator().manual_seed(seed))
+        mine = (out.response_ids.tolist(), out.response_mask.tolist(), out.logprobs.tolist())
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        check(all(o == everyone[0] for o in everyone), f"tp sampling with {name}: ranks diverged")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    check_fsdp(mesh)
+    check_tp(mesh)
+    print(f"rank {dist.get_rank()}: all checks passed", flush=True)
+    # Without it a rank can tear gloo down while its peer still talks to it, and abort at exit.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""End-to-end PPO / GRPO runs of train_ppo.py on a tiny random model, as real processes (python and torchrun/gloo).
+
+The reward (tests/user_rewards.py:ones_fraction) is trivially learnable, so a working loop must raise it within a
+few steps; a broken sign, advantage or transfer does not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import explain, run_python, torchrun
+from tasks.char_tokenizer import build_char_tokenizer
+from tasks.synthetic import write_addition_dataset
+from tasks.tiny_model import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ppo_assets")
+    tokenizer = build_char_tokenizer("0123456789+=")
+    save_tiny_model(root / "model", tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=64, max_position_embeddings=64, seed=0)
+    write_addition_dataset(root, n_train=80, n_test=16, seed=0, digits=(1, 1))
+    return root
+
+
+def write_config(path: Path, assets: Path, run_dir: Path, **sections) -> str:
+    cfg = {
+        "run": {"name": "t", "output_dir": str(run_dir), "seed": 0, "total_steps": 10, "eval_every": 0,
+                "device": "cpu", "tensorboard": False},
+        "model": {"path": str(assets / "model")},
+        "data": {"train_path": str(assets / "train.jsonl"), "eval_path": str(assets / "test.jsonl"),
+                 "max_prompt_len": 8, "batch_size": 8},
+        "rollout": {"n": 4, "max_new_tokens": 4, "temperature": 1.0},
+        "algorithm": {"adv_estimator": "gae", "kl": {"in_reward": True, "coef": 0.001}},
+        "actor": {"optim": {"lr": 3e-3}, "fsdp": {"param_dtype": "float32"}, "ppo_epochs": 2, "mini_batch_size": 16},
+        "critic": {"optim": {"lr": 3e-3}, "fsdp": {"param_dtype": "float32"}, "ppo_epochs": 2},
+        "reference": {"fsdp": {"param_dtype": "float32"}},
+        "reward": {"functions": [{"spec": "tests.user_rewards:ones_fraction"}], "num_workers": 1},
+    }
+    for section, values in sections.items():
+        merged = cfg.setdefault(section, {})
+        for k, v in values.items():
+            if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                merged[k] = {**merged[k], **v}
+            else:
+                merged[k] = v
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "t" / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_learns(rows: list[dict], margin: float = 0.1):
+    scores = [r["reward/score/mean"] for r in rows if "reward/score/mean" in r]
+    assert len(scores) >= 6, rows
+    early, late = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    assert late > early + margin, f"reward did not rise: {scores}"
+
+
+SPLIT = {"mode": "split", "pools": [
+    {"name": "actor", "size": 2, "roles": ["actor"]},
+    {"name": "critic", "size": 1, "roles": ["critic"]},
+    {"name": "ref_reward", "size": 1, "roles": ["reference", "reward"]},
+]}
+
+
+def test_ppo_split_four_ranks_learns(assets, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", placement=SPLIT, run={"total_steps": 12})
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=4, timeout=400)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    assert [r["step"] for r in rows] == list(range(13)), "one metrics line per step, eval at 0"
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
+                "critic/vf_loss", "critic/vf_explained_var", "response_length/mean", "timing_s/gen", "timing_s/step",
+                "perf/throughput", "perf/max_memory_allocated_gb"):
+        assert key in rows[1], f"{key} missing from {sorted(rows[1])}"
+    assert "eval/score/mean" in rows[0] and "eval/score/mean" in rows[-1]
+    assert_learns(rows[1:])
+
+
+def test_grpo_colocate_two_ranks_learns(assets, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 12},
+                       algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False, "in_loss": True, "kind": "k3"}})
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=400)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    assert "critic/vf_loss" not in rows[1] and "actor/kl_loss" in rows[1]
+    assert_learns(rows[1:])
+
+
+def test_same_seed_same_metrics_and_a_failing_reward_does_not_stop_training(assets, tmp_path):
+    marker = tmp_path / "hung_once"
+    outs = []
+    for i in range(2):
+        cfg = write_config(tmp_path / f"c{i}.yaml", assets, tmp_path / f"runs{i}", run={"total_steps": 3},
+                           reward={"functions": [{"spec": "tests.user_rewards:flaky_ones"}], "timeout_s": 2.0})
+        if marker.exists():
+            marker.unlink()
+        proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, MESHRL_TEST_HANG_MARKER=marker)
+        assert proc.returncode == 0, explain(proc)
+        assert marker.exists(), "the reward function was expected to hang once"
+        outs.append(read_metrics(tmp_path / f"runs{i}"))
+    errors = sum(r.get("reward_fn/errors", 0) for r in outs[0])
+    timeouts = sum(r.get("reward_fn/timeouts", 0) for r in outs[0])
+    assert errors > 0 and timeouts == 1, (errors, timeouts)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+    assert strip(outs[0]) == strip(outs[1])
+
+
+def test_missing_prompt_column_names_file_and_column(assets, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1=", "ground_truth": "2"}\n')
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", data={"train_path": str(bad)})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert str(bad) in proc.stderr and "'prompt'" in proc.stderr, explain(proc)
