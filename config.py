@@ -41,7 +41,6 @@ class RunConfig:
     epochs: int | None = None  # when set, overrides total_steps: passes over the training prompts
     log_every: int = 1
     eval_every: int = 0  # 0: evaluate only at the start and the end
-    save_every: int = 0  # 0: no periodic checkpoints
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = True
 
@@ -256,6 +255,34 @@ class QuickstartConfig:
 
 
 @dataclass
+class CommConfig:
+    """NCCL environment, start-up checks and gradient-communication options (parallel/comm.py)."""
+
+    nccl_ib_disable: bool | None = None  # None: leave NCCL_IB_DISABLE as the environment has it
+    nccl_socket_ifname: str | None = None
+    nccl_ib_hca: str | None = None
+    nccl_debug: str | None = None
+    extra_env: list[str] = field(default_factory=list)  # more "KEY=VALUE" settings applied before init
+    fallback_to_sockets: bool = True  # after an NCCL init failure with IB on, the next restart disables IB
+    bandwidth_check: bool = False  # time all-reduces in each pool at start-up (comm/allreduce_busbw_gbps)
+    grad_sync_every: int = 1  # micro-batches accumulated between gradient reductions
+    compression: Literal["none", "bf16", "fp16", "int8", "topk"] = "none"
+    topk_ratio: float = 0.01
+    error_feedback: bool = True
+    comm_fraction_warn: float = 0.3
+    memory_fraction_warn: float = 0.8
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0  # steps; 0: only at the end (and on SIGTERM/SIGUSR1)
+    keep_last: int = 2
+    resume: str = "auto"  # auto (newest complete checkpoint of the run), never, or a checkpoint folder
+    async_save: bool = False
+    max_skipped_steps: int = 5  # non-finite gradient steps in a row before the run stops
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -268,6 +295,8 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     quickstart: QuickstartConfig = field(default_factory=QuickstartConfig)
 

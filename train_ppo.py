@@ -35,7 +35,7 @@ from algo.kl_control import kl_in_reward, make_kl_controller
 from algo.losses import kl as kl_estimate
 from batch import Batch, batch_size, select
 from monitor import MetricsLogger, gather_metrics, memory_gb
-from parallel.distributed import env_world, init_distributed, shutdown
+from parallel.distributed import env_world, exit_process, init_distributed, shutdown
 from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
 from roles.actor import Actor
@@ -166,9 +166,13 @@ class PPOTrainer:
                 s, reward_metrics, _ = self.reward.scores(to_reward, self.train_set.items)
                 scores = {"scores": s}
                 metrics.update(reward_metrics)
+                metrics.update(self.reward.take_failures())
         if self.actor is not None:
             with t("old_logprobs"):
                 batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
+            # the engine's and the trainer's log-probs of the same tokens: ~0 in float32, larger in bf16
+            gap = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * batch["response_mask"]
+            metrics["rollout/logprob_diff_max"] = gap.max().item() if gap.numel() else 0.0
         with t("transfer"):
             for got, role, on in ((ref, "reference", self.use_ref), (values, "critic", self.use_critic),
                                   (scores, "reward", True)):
@@ -449,4 +453,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import config as C
-from parallel.distributed import env_world, init_distributed, shutdown
+from parallel.distributed import env_world, exit_process, init_distributed, shutdown
 from parallel.fsdp import shard_model
 from parallel.layout import Pool, build_layout
 from roles.modeling import grad_norm_and_clip, load_causal_lm
@@ -109,4 +109,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -22,6 +22,12 @@ class Reward:
             self.model = shard_model(model, pool, cfg.fsdp, train=False)
         self.functions = [(RewardFunctionRunner(f.spec, cfg.num_workers, cfg.timeout_s), f.weight, f.spec)
                           for f in cfg.functions]
+        self.failures = {"reward_fn/errors": 0.0, "reward_fn/timeouts": 0.0}  # since the last take_failures()
+
+    def take_failures(self) -> dict[str, float]:
+        """Reward-function errors and timeouts counted since the last call (eval's included), then reset."""
+        out, self.failures = self.failures, dict.fromkeys(self.failures, 0.0)
+        return out
 
     def close(self) -> None:
         for runner, _, _ in self.functions:
@@ -60,5 +66,5 @@ class Reward:
                 if n:
                     metrics[f"reward/fn/{spec}/mean"] = values.mean().item()
                 for key, count in stats.items():
-                    metrics[key] = metrics.get(key, 0.0) + float(count)
+                    self.failures[key] = self.failures.get(key, 0.0) + float(count)
         return total, metrics, texts

@@ -112,6 +112,8 @@ class NativeEngine:
             handles = [module.unshard(async_op=True) for module in fsdp_modules]
             for handle in handles:
                 handle.wait()
+            # no_grad, not inference_mode: FSDP2 unsharding under inference_mode raised "Inference tensors do not
+            # track version counter" until pytorch#197327, newer than the torch 2.11 we run on GPUs.
             with torch.no_grad():
                 return self._generate(prompts, params, generator)
         finally:

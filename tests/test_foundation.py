@@ -16,7 +16,7 @@ def test_foundation_under_torchrun():
     assert proc.returncode == 0, explain(proc)
     for check in ("layouts", "fsdp4", "tp2+fsdp2", "2d", "hsdp", "transfer"):
         # ranks print concurrently, so lines may interleave: find the marks anywhere
-        passed = set(re.findall(rf"rank (\d) PASS {re.escape(check)}\b", proc.stdout))
+        passed = set(re.findall(rf"rank (\d) PASS {re.escape(check)}(?= |\n|rank |$)", proc.stdout))
         assert passed == {"0", "1", "2", "3"}, f"{check}: ranks {sorted(passed)} passed\n{explain(proc)}"
 
 

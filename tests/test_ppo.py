@@ -82,6 +82,8 @@ def test_ppo_split_four_ranks_learns(assets, tmp_path):
                 "perf/throughput", "perf/max_memory_allocated_gb"):
         assert key in rows[1], f"{key} missing from {sorted(rows[1])}"
     assert "eval/score/mean" in rows[0] and "eval/score/mean" in rows[-1]
+    # float32: the rollout's log-probs are the actor's teacher-forced ones (FSDP2 over the 2 actor ranks)
+    assert max(r["rollout/logprob_diff_max"] for r in rows[1:]) < 1e-4
     assert_learns(rows[1:])
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from config import FSDPConfig, PoolConfig
-from parallel.distributed import init_distributed
+from parallel.distributed import exit_process, init_distributed
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from parallel.transfer import transfer
@@ -163,5 +163,5 @@ if __name__ == "__main__":
         import traceback
 
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.exit(1)
+        exit_process(1)
+    exit_process(0)

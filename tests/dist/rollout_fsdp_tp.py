@@ -7,6 +7,7 @@ the rank prints a line with MISMATCH and exits 1; on success each rank prints 'r
 """
 
 import copy
+import os
 import sys
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from parallel.distributed import exit_process
 from rollout.native import NativeEngine, RolloutOutput, SamplingParams
 
 PAD = 0
@@ -128,9 +130,8 @@ def main() -> None:
     check_fsdp(mesh)
     check_tp(mesh)
     print(f"rank {dist.get_rank()}: all checks passed", flush=True)
-    # Without it a rank can tear gloo down while its peer still talks to it, and abort at exit.
-    dist.barrier()
     dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":
