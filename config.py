@@ -271,6 +271,25 @@ class CommConfig:
     error_feedback: bool = True
     comm_fraction_warn: float = 0.3
     memory_fraction_warn: float = 0.8
+    # local SGD across dp_replicate: no gradient all-reduce over replicas, parameters averaged every k optimizer steps,
+    # k adapted between averaging_k_min and averaging_k_max from the loss change rate (comm/sync_period)
+    param_averaging: bool = False
+    averaging_k_min: int = 1
+    averaging_k_max: int = 16
+
+    def __post_init__(self):
+        if self.grad_sync_every < 1:
+            raise ConfigError(f"comm.grad_sync_every={self.grad_sync_every}: must be >= 1 (1: sync every micro-batch)")
+        if not 1 <= self.averaging_k_min <= self.averaging_k_max:
+            raise ConfigError(f"comm.averaging_k_min={self.averaging_k_min}, comm.averaging_k_max="
+                              f"{self.averaging_k_max}: need 1 <= averaging_k_min <= averaging_k_max")
+        for key in ("topk_ratio", "comm_fraction_warn", "memory_fraction_warn"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ConfigError(f"comm.{key}={getattr(self, key)}: must be in (0, 1]")
+        for i, entry in enumerate(self.extra_env):
+            name = entry.partition("=")[0].strip()
+            if "=" not in entry or not name.replace("_", "a").isalnum() or name[0].isdigit():
+                raise ConfigError(f"comm.extra_env[{i}]={entry!r}: expected KEY=VALUE, e.g. NCCL_NET_GDR_LEVEL=PHB")
 
 
 @dataclass

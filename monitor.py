@@ -58,6 +58,26 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
 
+    def truncate_after(self, step: int) -> None:
+        """On resume from checkpoint `step`: forget what was logged after it, so every step appears once."""
+        self.jsonl.close()
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+        self.jsonl = open(path, "a")
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(log_dir=self.run_dir, purge_step=step + 1)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """Every eval prompt's response and score, one JSON line per eval step (eval_samples.jsonl)."""
+        with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "samples": rows}) + "\n")
+
     def text(self, tag: str, text: str, step: int) -> None:
         if self.tb is not None:
             self.tb.add_text(tag, text, step)

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -19,8 +20,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import transformers
+import yaml
 from transformers import AutoTokenizer
 
+import checkpoint
 import config as C
 from algo import advantages as A
 from algo.controller import GuardRails
@@ -127,8 +130,10 @@ class PPOTrainer:
         self.gen_rng = torch.Generator(device=device).manual_seed(seed)  # sampling tokens
         self.cpu_rng = torch.Generator().manual_seed(seed)  # shuffles, resampling
         self.logger = None
+        run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
+        self.ckpt_root = os.path.join(run_dir, "checkpoints")
         if self.rank == 0:
-            self.logger = MetricsLogger(os.path.join(cfg.run.output_dir, cfg.run.name), cfg.run.tensorboard)
+            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard)
 
     # ------------------------------------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
@@ -302,7 +307,7 @@ class PPOTrainer:
         metrics.update(self.guard.metrics())
 
     # ------------------------------------------------------------------------------------------------ eval
-    def evaluate(self) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
+    def evaluate(self) -> tuple[dict[str, float], list[tuple[int, str, str, float]]]:
         """Greedy (rollout.eval_temperature) responses to the held-out prompts, scored by the reward pool."""
         if self.eval_set is None:
             return {}, []
@@ -331,47 +336,135 @@ class PPOTrainer:
             texts = self.tokenizer.batch_decode(
                 [r[:n] for r, n in zip(batch["response_ids"].tolist(), batch["response_len"].tolist())],
                 skip_special_tokens=True)
-            for i in range(min(4, len(texts))):
-                item = self.eval_set[int(batch["prompt_index"][i])]
-                samples.append((item["prompt_text"], texts[i], float(s[i])))
+            for i, text in enumerate(texts):
+                index = int(batch["prompt_index"][i])
+                samples.append((index, self.eval_set[index]["prompt_text"], text, float(s[i])))
         return local, samples
 
     # ------------------------------------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
-        first = self._eval_and_log(0)
-        last = first
-        for step in range(1, self.total_steps + 1):
-            start = time.perf_counter()
+        start, before = self._resume()
+        if start == 0:
+            before = self._eval_and_log(0).get("eval/score/mean", float("nan"))
+        last: dict[str, float] = {}
+        for step in range(start + 1, self.total_steps + 1):
+            began = time.perf_counter()
             local = self.step(step)
-            local["timing_s/step"] = time.perf_counter() - start
+            local["timing_s/step"] = time.perf_counter() - began
             local["perf/max_memory_allocated_gb"] = memory_gb(self.device)
             merged = gather_metrics(local)
             if self.rank == 0:
                 merged["perf/throughput"] = merged.pop("perf/total_tokens", 0.0) / merged["timing_s/step"] / \
                     self.layout.world_size
                 merged["data/epoch"] = self.sampler.state_dict().get("epoch", 0)
-            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != self.total_steps:
-                last = self._eval_and_log(step, merged)
-            elif step == self.total_steps:
+            if step == self.total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
                 last = self._eval_and_log(step, merged)
             elif self.rank == 0:
                 self._emit(step, merged)
+            signalled, diverged = self._stop_flags()
+            every = cfg.checkpoint.save_every
+            if step == self.total_steps or signalled or (every and step % every == 0):
+                self._save(step, before)
+            if diverged:
+                raise RuntimeError(f"the actor skipped {cfg.checkpoint.max_skipped_steps} optimizer steps in a row "
+                                   "(non-finite loss or gradient norm); stopping. The last checkpoint is intact.")
+            if signalled:
+                log.info("stop signal received: saved step %d, exiting", step)
+                break
+        self.close()
+        return {"before": before, "after": last.get("eval/score/mean", float("nan"))}
+
+    def close(self) -> None:
         if self.reward is not None:
             self.reward.close()
         if self.logger is not None:
             self.logger.close()
-        nan = float("nan")
-        return {"before": first.get("eval/score/mean", nan), "after": last.get("eval/score/mean", nan)}
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def _trained_roles(self) -> dict:
+        roles = {}
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is not None:
+                roles[name] = (role.model, role.optimizer, self.pools[name].group)
+        return roles
+
+    def _stop_flags(self) -> tuple[bool, bool]:
+        """(a stop signal arrived on some rank, the actor skipped too many steps in a row): agreed by every rank."""
+        skips = self.actor.skips_in_a_row if self.actor is not None else 0
+        flags = torch.tensor([float(STOP_SIGNAL["received"]),
+                              float(skips >= self.cfg.checkpoint.max_skipped_steps)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def _save(self, step: int, before: float) -> None:
+        began = time.perf_counter()
+        counters = {}
+        if self.actor is not None:
+            counters["actor"] = {"step_count": self.actor.step_count, "lr_scale": self.actor.lr_scale}
+        if self.critic is not None:
+            counters["critic"] = {"step_count": self.critic.step_count}
+        everyone: list = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, counters)
+        roles = {k: v for c in everyone for k, v in c.items()}
+        trainer_state = {
+            "step": step, "world_size": self.layout.world_size, "eval_before": before, "roles": roles,
+            "sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(), "guard": self.guard.state_dict(),
+            "config": yaml.safe_dump(C.to_dict(self.cfg)),  # what scripts/export_hf.py needs to rebuild the model
+        }
+        rank_state = {"rng": checkpoint.rng_state({"gen": self.gen_rng, "cpu": self.cpu_rng})}
+        if self.replay is not None:
+            rank_state["replay"] = self.replay.state_dict()
+        path = checkpoint.save(self.ckpt_root, step, self._trained_roles(), rank_state, trainer_state,
+                               self.cfg.checkpoint.keep_last)
+        if self.rank == 0:
+            log.info("saved checkpoint %s in %.2f s", path, time.perf_counter() - began)
+
+    def _resume(self) -> tuple[int, float]:
+        """Load the newest readable checkpoint (checkpoint.resume); returns (its step, eval score before training),
+        or (0, nan) for a fresh start. A corrupt checkpoint is skipped with a warning naming it."""
+        for path in checkpoint.candidates(self.ckpt_root, self.cfg.checkpoint.resume):
+            try:
+                state, mine = checkpoint.load(path, self._trained_roles())
+            except RuntimeError as e:
+                if self.rank == 0:
+                    log.warning("checkpoint %s could not be read (%s); trying the one before", path, e)
+                continue
+            self.sampler.load_state_dict(state["sampler"])
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+            self.guard.load_state_dict(state["guard"])
+            for name, role in (("actor", self.actor), ("critic", self.critic)):
+                if role is not None:
+                    for key, value in state["roles"][name].items():
+                        setattr(role, key, value)
+            if mine is not None:
+                checkpoint.restore_rng(mine["rng"], {"gen": self.gen_rng, "cpu": self.cpu_rng})
+                if self.replay is not None and "replay" in mine:
+                    self.replay.load_state_dict(mine["replay"])
+            elif self.rank == 0:
+                log.warning("checkpoint %s was written by %d ranks, this run has %d: weights and optimizer "
+                            "resharded by DCP; per-rank random streams and replay buffers start afresh",
+                            path, state["world_size"], self.layout.world_size)
+            if self.rank == 0:
+                log.info("resumed from %s (step %d)", path, state["step"])
+                self.logger.truncate_after(state["step"])
+            return state["step"], state["eval_before"]
+        if self.cfg.checkpoint.resume not in ("auto", "never"):
+            raise ValueError(f"checkpoint.resume={self.cfg.checkpoint.resume!r}: could not be read")
+        return 0, float("nan")
 
     def _eval_and_log(self, step: int, merged: dict[str, float] | None = None) -> dict[str, float]:
         local, samples = self.evaluate()
         ev = gather_metrics(local)
+        everyone: list = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, samples)
         if self.rank != 0:
             return {}
         merged = {**(merged or {}), **ev}
         self._emit(step, merged)
-        for prompt, response, score in samples:
+        samples = sorted(s for part in everyone for s in part)
+        self.logger.samples(step, [{"prompt": p, "response": r, "score": sc} for _, p, r, sc in samples])
+        for _, prompt, response, score in samples[:4]:
             self.logger.text("eval/samples", f"**prompt** {prompt!r}  \n**response** {response!r}  \n"
                                              f"**score** {score:.3f}", step)
         return ev
@@ -380,6 +473,14 @@ class PPOTrainer:
         self.logger.log(step, merged)
         if step % self.cfg.run.log_every == 0 or step == self.total_steps:
             self.logger.console(step, self.total_steps, merged)
+
+
+STOP_SIGNAL = {"received": False}
+
+
+def on_stop_signal(signum, frame) -> None:
+    """SIGTERM / SIGUSR1 (SLURM preemption): finish the current step, save, exit 0."""
+    STOP_SIGNAL["received"] = True
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
@@ -438,6 +539,8 @@ def main(argv: list[str]) -> int:
     layout = build_layout(C.pools_of(cfg, info.world_size), info.device.type)
     if info.rank == 0:
         print(layout.describe(), flush=True)
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGUSR1, on_stop_signal)
     try:
         trainer = PPOTrainer(cfg, layout, info.device)
     except ValueError as e:  # bad data or reward spec: every rank hits it, before any step

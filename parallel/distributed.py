@@ -53,12 +53,26 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600, device: str = 
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             kwargs = {"device_id": dev} if backend == "nccl" else {}
-            dist.init_process_group(backend, timeout=timeout, **kwargs)
+            dist.init_process_group(backend, timeout=timeout, store=_attempt_store(world_size, rank, timeout),
+                                    rank=rank, world_size=world_size, **kwargs)
         else:
             if world_size != 1:
                 raise ValueError(f"WORLD_SIZE={world_size} without MASTER_ADDR: launch with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def _attempt_store(world_size: int, rank: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this torchrun attempt.
+
+    After `torchrun --max-restarts` restarts the workers, the default env:// store of torch 2.13 hands the new
+    processes the previous attempt's connection keys and the process group fails to connect ("Connection refused",
+    pytorch/pytorch#167288); a prefix per TORCHELASTIC_RESTART_COUNT keeps the attempts apart.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    return dist.PrefixStore(f"meshrl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown() -> None:

@@ -27,6 +27,7 @@ class Pool:
     dp_shard: int
     tp: int
     mesh: DeviceMesh
+    group: dist.ProcessGroup | None = None  # all ranks of the pool (checkpoint I/O); None outside
     # this rank's view; None / -1 when the rank is outside the pool
     dp_group: dist.ProcessGroup | None = None  # dp_replicate x dp_shard flattened: ranks that see different data
     dp_rank: int = -1
@@ -110,6 +111,8 @@ def build_layout(pool_specs, device_type: str) -> Layout:
         mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_AXES)
         pool = Pool(spec.name or f"pool{index}", index, ranks, tuple(spec.roles), spec.dp_replicate, dp_shard,
                     spec.tp, mesh)
+        whole = dist.new_group(list(ranks))
+        pool.group = whole if rank in ranks else None
         # flattened data-parallel groups, one per tp index; new_group is collective over the world
         for t in range(spec.tp):
             members = grid[:, :, t].flatten().tolist()

@@ -36,6 +36,7 @@ class Actor:
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.lr_scale = 1.0  # guard rails back the learning rate off through this
         self.step_count = 0
+        self.skips_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
         tp_group = pool.mesh.get_group("tp") if pool.tp > 1 else None
         self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group)
 
@@ -102,8 +103,10 @@ class Actor:
                 norm = grad_norm_and_clip(self.model, cfg.optim.grad_clip)
                 if torch.isfinite(norm):
                     self.optimizer.step()
+                    self.skips_in_a_row = 0
                 else:
                     skipped += 1
+                    self.skips_in_a_row += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 add_metric(sums, "actor/grad_norm", norm.item())
         self.step_count += 1

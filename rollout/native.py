@@ -1,12 +1,17 @@
-"""Native rollout engine: batched generation with a KV cache on the actor's own parameters, no second copy.
+"""Native rollout engine: generation on the actor's own parameters in place, no second copy of the weights.
 
-v1 algorithm: left-pad the prompts, prefill them once, repeat the cache for the n samples of each prompt, then
-decode one token per forward for all rows with transformers' DynamicCache. Finished rows keep being fed pad tokens
-until every row (of every rank in the lockstep group) is done. Works on FSDP2-sharded, tensor-parallel and plain
-models, on CPU and GPU.
+Two paths behind one interface, picked per model:
+- the slot engine (rollout/slots.py) for Llama/Qwen2-family models, through rollout/decoder.py's compact forward: a
+  preallocated KV cache of slots, batched prefill shared by a prompt's n samples, continuous batching, sampling and
+  stop checks on the device, decode steps captured in CUDA graphs on GPU (eager on CPU);
+- the HF-forward loop (v1) for any other causal LM: left-pad the prompts, prefill them once, repeat the cache for the
+  n samples of each prompt, then decode one token per forward for all rows with transformers' DynamicCache. Finished
+  rows keep being fed pad tokens until every row (of every rank in the lockstep group) is done.
+Both run on FSDP2-sharded (unsharded once per rollout), tensor-parallel and plain models, on CPU and GPU.
 """
 
-from dataclasses import dataclass
+import inspect
+import time
 
 import torch
 import torch.distributed as dist
@@ -14,68 +19,30 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
-from rollout.sampling import sample_next_tokens
+from rollout.api import RolloutOutput, SamplingParams
+from rollout.decoder import unsupported_reason
+from rollout.sampling import sample_next_tokens, take_first_tp_rank
+from rollout.slots import SlotEngine
 
-
-@dataclass
-class SamplingParams:
-    """How to sample. temperature 0 means greedy (argmax); top_k 0 means off.
-
-    n samples are drawn per prompt and are consecutive in the output. A row ends after it emits one of
-    stop_token_ids (the stop token is part of the response and its mask) or after max_new_tokens tokens.
-    Stop tokens cannot be sampled before min_new_tokens tokens (benchmarks set min_new_tokens = max_new_tokens).
-    """
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stop_token_ids: tuple[int, ...] = ()
-    min_new_tokens: int = 0
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
-            )
-
-
-@dataclass
-class RolloutOutput:
-    """Samples of one generate call; N = len(prompts) * n, R = the longest response of the call.
-
-    prompt_ids: per sample, the prompt (unpadded; repeated for the n samples of a prompt).
-    response_ids: [N, R] long, right-padded with pad_token_id.
-    response_mask: [N, R] long, 1 on response tokens (the stop token included), 0 on padding.
-    logprobs: [N, R] float32, log_softmax(logits / temperature) at each sampled token (temperature 1 when greedy),
-        before top-k/top-p truncation; 0 on padding.
-    """
-
-    prompt_ids: list[list[int]]
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    logprobs: torch.Tensor
+__all__ = ["NativeEngine", "RolloutOutput", "SamplingParams"]
 
 
 class NativeEngine:
     """Generates with the given Hugging Face causal LM in place: plain, FSDP2-sharded or tensor-parallel.
 
     lockstep_group: the ranks whose forwards must stay in step because FSDP2 all-gathers inside forward (the
-        dp_shard group). They agree every step on whether any of them still decodes, so all make the same number of
-        forwards. Each rank of the group must call generate the same number of times, also with no prompts.
+        dp_shard group). On the HF-forward path they agree every step on whether any of them still decodes, so all
+        make the same number of forwards; the slot path never calls the modules' forward and needs no lockstep. Each
+        rank of the group must call generate the same number of times, also with no prompts (unshard is collective).
     tp_group: the tensor-parallel group. Its ranks must pass the same prompts and params; every step they take the
         tokens sampled on the group's first rank, so floating-point differences can never make them diverge.
+
+    Slot path only (see rollout/slots.py): max_num_seqs bounds the sequences decoded at once; kv_cache_tokens sizes
+    the KV cache in tokens, or else gpu_memory_utilization (the share of the GPU's memory this process may hold in
+    all) does on CUDA; max_prefill_tokens bounds the padded prompt tokens of one prefill forward; cuda_graphs and
+    compile turn on CUDA-graph capture of the decode step and torch.compile of its pieces (CUDA only).
+    compact_forward=False forces the HF-forward path; models the compact forward cannot run use it anyway, and
+    fallback_reason says why.
     """
 
     def __init__(
@@ -84,27 +51,57 @@ class NativeEngine:
         pad_token_id: int,
         lockstep_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        *,
+        max_num_seqs: int = 256,
+        kv_cache_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_prefill_tokens: int = 16384,
+        cuda_graphs: bool = True,
+        compile: bool = True,
+        compact_forward: bool = True,
     ):
         self.vocab_size = model.config.vocab_size
         if not 0 <= pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id must be in [0, vocab_size={self.vocab_size}), got {pad_token_id}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if kv_cache_tokens is not None and kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1 or None (size from gpu_memory_utilization), got "
+                             f"{kv_cache_tokens}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.model = model
         self.pad_token_id = pad_token_id
         self.lockstep_group = lockstep_group
         self.tp_group = tp_group
+        self.fallback_reason = unsupported_reason(model) if compact_forward else "compact_forward=False"
+        self.slots = None
+        if self.fallback_reason is None:
+            self.slots = SlotEngine(model, pad_token_id, tp_group, max_num_seqs, kv_cache_tokens,
+                                    gpu_memory_utilization, max_prefill_tokens, cuda_graphs, compile)
+        self.stats: dict[str, float] = {}  # of the last generate call: reshard_s, and the slot engine's counters
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        max_new_tokens: list[int] | None = None,
     ) -> RolloutOutput:
         """Sample len(prompts) * params.n responses; see RolloutOutput for the shapes.
 
         generator, if given, must live on the model's device; the same seed gives the same output.
+        max_new_tokens: optional per-prompt response limits, each in [1, params.max_new_tokens] (benchmarks use it to
+        force a spread of lengths); params.max_new_tokens for every prompt when None.
         """
-        self._validate(prompts, params)
+        limits = self._validate(prompts, params, max_new_tokens)
         model = self.model
         was_training = model.training
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         model.eval()
+        start = time.perf_counter()
         try:
             # All-gather the parameters once per rollout rather than once per layer per token.
             for module in fsdp_modules:
@@ -112,39 +109,65 @@ class NativeEngine:
             handles = [module.unshard(async_op=True) for module in fsdp_modules]
             for handle in handles:
                 handle.wait()
+            switch_s = time.perf_counter() - start
             # no_grad, not inference_mode: FSDP2 unsharding under inference_mode raised "Inference tensors do not
             # track version counter" until pytorch#197327, newer than the torch 2.11 we run on GPUs.
             with torch.no_grad():
-                return self._generate(prompts, params, generator)
+                # Read after unshard: with FSDP2 CPU offload the sharded parameters live on the CPU, the unsharded
+                # on the GPU.
+                device = next(model.parameters()).device
+                if generator is not None and generator.device.type != device.type:
+                    raise ValueError(
+                        f"generator is on {generator.device} but the model runs on {device}; create it there"
+                    )
+                if self.slots is None:
+                    return self._generate(prompts, params, generator, limits)
+                if not prompts:
+                    empty = torch.empty((0, 0), dtype=torch.long, device=device)
+                    return RolloutOutput([], empty, empty.clone(), empty.float())
+                out = self.slots.generate(prompts, params, generator, limits)
+                self.stats.update(self.slots.stats)
+                return out
         finally:
             # FSDP2 has no public getter for reshard_after_forward, so this restores True, the value
             # parallel/fsdp.py sets by default.
+            start = time.perf_counter()
             for module in fsdp_modules:
                 module.reshard()
                 module.set_reshard_after_forward(True, recurse=False)
             model.train(was_training)
+            self.stats["reshard_s"] = switch_s + time.perf_counter() - start
 
-    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _validate(self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: list[int] | None):
+        """Raises ValueError on bad arguments; returns the response limit of every prompt."""
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {self.vocab_size})")
+        if max_new_tokens is None:
+            limits = [params.max_new_tokens] * len(prompts)
+        else:
+            if len(max_new_tokens) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
+            bad = [m for m in max_new_tokens if not 1 <= m <= params.max_new_tokens]
+            if bad:
+                raise ValueError(f"max_new_tokens {bad[:5]} outside [1, params.max_new_tokens={params.max_new_tokens}]")
+            limits = list(max_new_tokens)
         max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
             if len(prompt) == 0:
                 raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-            if max_positions is not None and len(prompt) + params.max_new_tokens > max_positions:
+            if max_positions is not None and len(prompt) + limit > max_positions:
                 raise ValueError(
-                    f"prompts[{i}] has {len(prompt)} tokens and max_new_tokens is {params.max_new_tokens}: "
-                    f"{len(prompt) + params.max_new_tokens} positions exceed max_position_embeddings {max_positions}"
+                    f"prompts[{i}] has {len(prompt)} tokens and max_new_tokens is {limit}: "
+                    f"{len(prompt) + limit} positions exceed max_position_embeddings {max_positions}"
                 )
+        return limits
 
     def _generate(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None, limits: list[int]
     ) -> RolloutOutput:
-        # Read after unshard: with FSDP2 CPU offload the sharded parameters live on the CPU, the unsharded on the GPU.
+        """The HF-forward loop; limits: max_new_tokens per prompt."""
         device = next(self.model.parameters()).device
-        if generator is not None and generator.device.type != device.type:
-            raise ValueError(f"generator is on {generator.device} but the model runs on {device}; create it there")
         pad = self.pad_token_id
         rows, n = prompts, params.n
         if not prompts:
@@ -152,7 +175,7 @@ class NativeEngine:
             if self.lockstep_group is None:
                 return RolloutOutput([], empty, empty.clone(), empty.float())
             # The other ranks of the group forward in step with this one: take part with a row that is done at once.
-            rows, n = [[pad]], 1
+            rows, n, limits = [[pad]], 1, [1]
 
         width = max(len(p) for p in rows)
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in rows], device=device)
@@ -168,6 +191,7 @@ class NativeEngine:
         num_rows = logits.size(0)
         positions = attention_mask.sum(-1)
         running = torch.full((num_rows,), bool(prompts), device=device)
+        row_limits = torch.tensor(limits, device=device).repeat_interleave(n)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
 
         token_steps, logprob_steps, mask_steps = [], [], []
@@ -177,14 +201,12 @@ class NativeEngine:
                 logits, params.temperature, params.top_k, params.top_p, generator, banned
             )
             if self.tp_group is not None:
-                tokens, logprobs = self._take_first_tp_rank(tokens, logprobs)
+                tokens, logprobs = take_first_tp_rank(tokens, logprobs, self.tp_group)
             tokens = tokens.masked_fill(~running, pad)
             token_steps.append(tokens)
             logprob_steps.append(logprobs.masked_fill(~running, 0.0))
             mask_steps.append(running)
-            running = running & ~torch.isin(tokens, stop_ids)
-            if len(token_steps) >= params.max_new_tokens:
-                running = torch.zeros_like(running)
+            running = running & ~torch.isin(tokens, stop_ids) & (row_limits > len(token_steps))
             if not self._any_running(running):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)
@@ -210,9 +232,11 @@ class NativeEngine:
     ) -> torch.Tensor:
         """input_ids, position_ids: [N, T]; attention_mask: [N, cached + T]. Returns [N, V] float32 last-position
         logits; the cache grows by T positions."""
-        # The cache is passed by position: transformers renamed the keyword past_key_values -> cache after 5.17 (the
-        # old name warns, then goes), and the fourth parameter of forward is the cache under either name.
-        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache=True, logits_to_keep=1)
+        # transformers renamed the keyword past_key_values -> cache after 5.17 (the old name warns, then goes), so the
+        # name is read off the model's forward.
+        cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
         return out.logits[:, -1].float()
 
     def _any_running(self, running: torch.Tensor) -> bool:
@@ -221,10 +245,3 @@ class NativeEngine:
         if self.lockstep_group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.lockstep_group)
         return bool(flag.item())
-
-    def _take_first_tp_rank(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens: [N] long, logprobs: [N] float32 -> the same, as sampled on the tp group's first rank."""
-        # One collective per step: float64 holds every token id and every float32 logprob exactly.
-        packed = torch.stack([tokens.double(), logprobs.double()])
-        dist.broadcast(packed, group=self.tp_group, group_src=0)
-        return packed[0].long(), packed[1].float()

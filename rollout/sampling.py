@@ -1,6 +1,7 @@
 """Next-token sampling on device: temperature, top-k, top-p, greedy; logprobs of the picked tokens."""
 
 import torch
+import torch.distributed as dist
 
 
 def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -54,3 +55,75 @@ def sample_next_tokens(
         noise = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
         tokens = (probs / noise).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _int32(value: int) -> int:
+    """A 32-bit pattern as the signed int32 constant torch accepts for int32 tensors."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_FMIX_1, _FMIX_2 = _int32(0x85EBCA6B), _int32(0xC2B2AE35)
+_STEP_MUL, _COLUMN_MUL = _int32(0x9E3779B9), _int32(0x27D4EB2F)
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int32 tensors: products wrap modulo 2^32 (as on CPU and CUDA), and the masks
+    turn the arithmetic right shifts of signed ints into the logical shifts the finaliser is defined with."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _FMIX_1
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * _FMIX_2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def gumbel_noise(seed: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] float32 standard Gumbel noise, a pure function of (seed, key, step, token id).
+
+    seed: [1] int32; keys, steps: [R] (any integer dtype), e.g. the sample index and the token index in its response.
+    Counter-based rather than drawn from a torch.Generator: a captured CUDA graph replays it with no generator state,
+    and a sample's noise depends on neither its slot nor the batch it is decoded in.
+    """
+    row = _fmix32(_fmix32(seed ^ keys.int()) + steps.int() * _STEP_MUL)
+    columns = torch.arange(vocab, device=keys.device, dtype=torch.int32) * _COLUMN_MUL
+    bits = _fmix32(row[:, None] ^ columns[None, :])
+    # 23 bits at the centres of 2^23 equal bins: uniform in (0, 1) and, unlike 24 bits, never rounded to 1 in float32.
+    uniform = (((bits >> 9) & 0x7FFFFF).float() + 0.5) * 2.0**-23
+    return -torch.log(-torch.log(uniform))
+
+
+def sample_with_noise(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    banned: torch.Tensor | None,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row by Gumbel-max: argmax(logits / temperature + noise) over the untruncated tokens.
+
+    logits: [R, V] (any float dtype; computed in float32). banned: [R, V] bool or None, tokens that may not be picked.
+    noise: [R, V] Gumbel noise (gumbel_noise), unused and may be None when temperature is 0 (greedy: argmax).
+    Returns (tokens [R] long, logprobs [R] float32) with the logprobs of sample_next_tokens: log_softmax(logits /
+    temperature) at the token (temperature 1 for greedy), before truncation and banning.
+    """
+    scaled = logits.float()
+    if temperature > 0:
+        scaled = scaled / temperature
+    candidates = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
+    if temperature == 0:
+        tokens = candidates.argmax(dim=-1)
+    else:
+        tokens = (truncate_top_k_top_p(candidates, top_k, top_p) + noise).argmax(dim=-1)
+    logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(dim=-1)
+    return tokens, logprobs
+
+
+def take_first_tp_rank(
+    tokens: torch.Tensor, logprobs: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens: [N] long, logprobs: [N] float32 -> the same, as sampled on the group's first rank, so that
+    floating-point differences between tensor-parallel ranks can never make their samples diverge."""
+    # One collective per step: float64 holds every token id and every float32 logprob exactly.
+    packed = torch.stack([tokens.double(), logprobs.double()])
+    dist.broadcast(packed, group=group, group_src=0)
+    return packed[0].long(), packed[1].float()

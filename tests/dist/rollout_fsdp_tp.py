@@ -1,4 +1,5 @@
-"""torchrun worker for tests/test_rollout_native.py: NativeEngine on an FSDP2-sharded and on a TP=2 model.
+"""torchrun worker for tests/test_rollout_native.py: NativeEngine, slot and HF-forward paths, on an FSDP2-sharded
+and on a TP=2 model.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/rollout_fsdp_tp.py
 
@@ -7,7 +8,6 @@ the rank prints a line with MISMATCH and exits 1; on success each rank prints 'r
 """
 
 import copy
-import os
 import sys
 
 import torch
@@ -57,35 +57,41 @@ def check_same(got: RolloutOutput, expected: RolloutOutput, what: str, atol: flo
 def check_fsdp(mesh: DeviceMesh) -> None:
     rank = dist.get_rank()
     model = tiny_model()
-    reference = NativeEngine(copy.deepcopy(model), PAD)
+    # The HF-forward path on an unsharded copy is the reference for both paths on the sharded model.
+    reference = NativeEngine(copy.deepcopy(model), PAD, compact_forward=False)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.train()
-    engine = NativeEngine(model, PAD, lockstep_group=mesh.get_group())
+    engines = {
+        "slots": NativeEngine(model, PAD, lockstep_group=mesh.get_group()),
+        "hf-forward": NativeEngine(model, PAD, lockstep_group=mesh.get_group(), compact_forward=False),
+    }
+    check(engines["slots"].slots is not None, "fsdp: the slot path was not picked")
     # With the parameters unsharded once per rollout a missing lockstep would not hang here, so count the forwards.
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
 
-    # Different prompts, lengths and stop tokens per rank, so the ranks finish at different steps.
-    if rank == 0:
-        prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, temperature=0)
-    else:
-        prompts = [[7, 8, 9, 10], [11], [12, 13, 14, 15, 16, 17]]
-        params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(15, 40))
-    check_same(engine.generate(prompts, params), reference.generate(prompts, params), "fsdp greedy")
+    for name, engine in engines.items():
+        # Different prompts, lengths and stop tokens per rank, so the ranks finish at different steps.
+        if rank == 0:
+            prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, temperature=0)
+        else:
+            prompts = [[7, 8, 9, 10], [11], [12, 13, 14, 15, 16, 17]]
+            params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(15, 40))
+        check_same(engine.generate(prompts, params), reference.generate(prompts, params), f"fsdp {name} greedy")
 
-    # A rank without prompts still takes part in its group's forwards.
-    prompts = [] if rank == 0 else [[21, 22], [23, 24, 25]]
-    params = SamplingParams(max_new_tokens=6, temperature=0)
-    out = engine.generate(prompts, params)
-    if rank == 0:
-        check(out.response_ids.shape == (0, 0) and out.prompt_ids == [], f"fsdp empty rank: {out}")
-    else:
-        check_same(out, reference.generate(prompts, params), "fsdp with an empty rank")
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, len(forwards))
-    check(len(set(counts)) == 1, f"fsdp: ranks made different numbers of forwards {counts}")
+        # A rank without prompts still takes part in its group's forwards.
+        prompts = [] if rank == 0 else [[21, 22], [23, 24, 25]]
+        params = SamplingParams(max_new_tokens=6, temperature=0)
+        out = engine.generate(prompts, params)
+        if rank == 0:
+            check(out.response_ids.shape == (0, 0) and out.prompt_ids == [], f"fsdp {name} empty rank: {out}")
+        else:
+            check_same(out, reference.generate(prompts, params), f"fsdp {name} with an empty rank")
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(forwards))
+        check(len(set(counts)) == 1, f"fsdp {name}: ranks made different numbers of forwards {counts}")
 
     check(model.training, "fsdp: training flag not restored")
     check(all(isinstance(p, DTensor) for p in model.parameters()), "fsdp: parameters not resharded")
@@ -96,7 +102,7 @@ def check_fsdp(mesh: DeviceMesh) -> None:
 
 def check_tp(mesh: DeviceMesh) -> None:
     model = tiny_model()
-    reference = NativeEngine(copy.deepcopy(model), PAD)
+    reference = NativeEngine(copy.deepcopy(model), PAD, compact_forward=False)
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -109,19 +115,23 @@ def check_tp(mesh: DeviceMesh) -> None:
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
     check(model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0] == 16, "tp: q_proj is not sharded")
-    engine = NativeEngine(model, PAD, tp_group=mesh.get_group())
+    engines = {
+        "slots": NativeEngine(model, PAD, tp_group=mesh.get_group(), max_num_seqs=2),
+        "hf-forward": NativeEngine(model, PAD, tp_group=mesh.get_group(), compact_forward=False),
+    }
+    check(engines["slots"].slots is not None, "tp: the slot path was not picked")
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    for engine_name, engine in engines.items():
+        params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(30,))
+        check_same(engine.generate(prompts, params), reference.generate(prompts, params), f"tp {engine_name} greedy")
 
-    params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(30,))
-    check_same(engine.generate(prompts, params), reference.generate(prompts, params), "tp greedy")
-
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, n=2)
-    for name, seed in (("same seed", 1234), ("seed differing per rank", 100 + dist.get_rank())):
-        out = engine.generate(prompts, params, torch.Generator().manual_seed(seed))
-        mine = (out.response_ids.tolist(), out.response_mask.tolist(), out.logprobs.tolist())
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        check(all(o == everyone[0] for o in everyone), f"tp sampling with {name}: ranks diverged")
+        params = SamplingParams(max_new_tokens=10, temperature=1.0, n=2)
+        for name, seed in (("same seed", 1234), ("seed differing per rank", 100 + dist.get_rank())):
+            out = engine.generate(prompts, params, torch.Generator().manual_seed(seed))
+            mine = (out.response_ids.tolist(), out.response_mask.tolist(), out.logprobs.tolist())
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            check(all(o == everyone[0] for o in everyone), f"tp {engine_name} sampling with {name}: ranks diverged")
 
 
 def main() -> None:

@@ -1,0 +1,203 @@
+"""Rollout throughput: meshrl's native engine against HF `generate`, in the same process, on random-init models.
+
+    python bench/rollout.py                       # Qwen2.5-0.5B and 1.5B shapes, 1 GPU
+    python bench/rollout.py --models qwen2.5-0.5b --hf-prompts 128
+
+Models are built from configs/models/<name>.json (or a path to such a file) with random bf16 weights: weights do not
+change speed. Runs per model:
+- equal: --prompts random prompts of --prompt-len tokens, --new new tokens each, temperature 1, min_new_tokens =
+  max_new_tokens so every response has the same length; HF `generate` (dynamic cache, SDPA) on the first
+  --hf-prompts of the same prompts, same settings.
+- spread: the same prompts, each with its own response length drawn uniformly from --spread LOW HIGH (forced through
+  the per-prompt max_new_tokens, no stop tokens), so sequences finish at different steps. HF `generate` is not run
+  here: a static batch runs every row to the longest, so its figure would be the equal run's times mean/max length.
+Each engine run is warmed up once with the same shapes first (torch.compile and CUDA-graph capture stay out of the
+timed run; capture happens again in every call and is timed). Tokens/s counts generated tokens only. The prefill
+share is measured by a run with max_new_tokens = 1; per decode step = (time - prefill) / decode steps.
+The last lines are a markdown table for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollout.native import NativeEngine, SamplingParams  # noqa: E402
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (../shared/BENCHMARKS.md)
+
+
+def build_model(name: str, device: torch.device) -> torch.nn.Module:
+    path = Path(name) if name.endswith(".json") else ROOT / "configs" / "models" / f"{name}.json"
+    fields = json.loads(path.read_text())
+    config = AutoConfig.for_model(**fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+def timed(fn):
+    """(result, seconds, peak GiB allocated) of fn() on the current device."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    return result, time.perf_counter() - start, peak
+
+
+def floor_ms(model, batch: int, mean_context: float) -> float:
+    """The memory-bound floor of one decode step: every weight read once plus the live KV cache, at copy bandwidth."""
+    config = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    return (weight_bytes + batch * mean_context * kv_per_token) / COPY_BANDWIDTH * 1e3
+
+
+def bench_model(name: str, args, device: torch.device) -> list[dict]:
+    model = build_model(name, device)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
+    engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile)
+    if engine.fallback_reason is not None:
+        raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
+    rows = []
+
+    def ours(params: SamplingParams, limits=None, label=""):
+        seed = torch.Generator(device=device).manual_seed(0)
+        run = lambda: engine.generate(prompts, params, seed, max_new_tokens=limits)
+        start = time.perf_counter()
+        run()  # warm-up: compiles the shapes this run meets
+        print(f"[{name} {label}] warm-up {time.perf_counter() - start:.1f} s", flush=True)
+        out, seconds, peak = timed(run)
+        stats = dict(engine.stats)
+        prefill_params = SamplingParams(max_new_tokens=1, temperature=params.temperature)
+        prefill = lambda: engine.generate(prompts, prefill_params, seed)
+        prefill()  # warm-up: prefill-only shapes
+        _, prefill_s, _ = timed(prefill)
+        tokens = int(out.response_mask.sum())
+        step_ms = (seconds - prefill_s) / max(stats["decode_steps"], 1) * 1e3
+        print(f"[{name} {label}] {tokens} tokens in {seconds:.2f} s (prefill {prefill_s:.2f} s), "
+              f"{step_ms:.2f} ms/step, stats {stats}", flush=True)
+        return tokens, seconds, peak, prefill_s, step_ms, stats
+
+    if args.profile:
+        profile_decode(engine, prompts)
+    new = args.new
+    equal = SamplingParams(max_new_tokens=new, temperature=1.0, min_new_tokens=new)
+    tokens, seconds, peak, prefill_s, step_ms, stats = ours(equal, label="equal")
+    mean_context = args.prompt_len + new / 2
+    row = dict(model=name, run=f"equal {args.prompts}x({args.prompt_len}+{new})", tokens=tokens, ours_s=seconds,
+               ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s, step_ms=step_ms,
+               floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context), graphs=stats["graphs"])
+
+    if args.hf_prompts > 0:
+        ids = torch.tensor(prompts[: args.hf_prompts], device=device)
+        kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                      pad_token_id=0)
+        model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
+        out, hf_s, hf_peak = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs))
+        hf_tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
+        print(f"[{name} hf] {hf_tokens} tokens in {hf_s:.2f} s", flush=True)
+        row.update(hf=f"{args.hf_prompts} prompts", hf_tps=hf_tokens / hf_s, hf_peak_gib=hf_peak)
+    rows.append(row)
+
+    if args.spread:
+        low, high = args.spread
+        limits = torch.randint(low, high + 1, (args.prompts,), generator=gen).tolist()
+        spread = SamplingParams(max_new_tokens=high, temperature=1.0)
+        tokens, seconds, peak, prefill_s, step_ms, stats = ours(spread, limits, label="spread")
+        rows.append(dict(model=name, run=f"spread {args.prompts}x({args.prompt_len}+{low}..{high})", tokens=tokens,
+                         ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s,
+                         step_ms=step_ms, graphs=stats["graphs"]))
+    return rows
+
+
+def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32) -> None:
+    """Print the GPU time of one decode step by kernel, from eager (graph-free) steps under the profiler: the
+    difference between a run of steps + 2 tokens and one of 2 tokens, so prefill and set-up cancel out."""
+    graphs = engine.slots.cuda_graphs
+    engine.slots.cuda_graphs = False
+    per_kernel = {}
+    for sign, new in ((1, steps + 2), (-1, 2)):
+        params = SamplingParams(max_new_tokens=new, temperature=1.0, min_new_tokens=new)
+        engine.generate(prompts, params)  # warm-up
+        activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else None
+        with torch.profiler.profile(activities=[activity or torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.generate(prompts, params)
+        for event in prof.key_averages():
+            if event.self_device_time_total > 0:
+                time_us, count = per_kernel.get(event.key, (0.0, 0))
+                per_kernel[event.key] = (time_us + sign * event.self_device_time_total, count + sign * event.count)
+    engine.slots.cuda_graphs = graphs
+    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    total = sum(t for t, _ in per_kernel.values()) / steps
+    launches = sum(c for _, c in per_kernel.values()) / steps
+    print(f"decode step, GPU time by kernel (eager, {steps} steps): {total / 1e3:.3f} ms in {launches:.0f} kernels")
+    for key, (time_us, count) in rows[:25]:
+        print(f"  {time_us / steps:8.1f} us  x{count / steps:5.1f}  {key[:110]}")
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | run | tokens | ours tok/s | HF generate tok/s | ratio | ours peak GiB | HF peak GiB | prefill s "
+            "| ms/decode step | floor ms/step | graphs |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        hf, floor = r.get("hf_tps"), r.get("floor_ms")
+        cells = [
+            r["model"], r["run"], str(r["tokens"]), f"{r['ours_tps']:,.0f}",
+            f"{hf:,.0f} ({r['hf']})" if hf else "not run",
+            f"{r['ours_tps'] / hf:.1f}x" if hf else "-",
+            f"{r['peak_gib']:.2f}",
+            f"{r['hf_peak_gib']:.2f}" if hf else "-",
+            f"{r['prefill_s']:.3f}", f"{r['step_ms']:.2f}",
+            f"{floor:.2f}" if floor else "-",
+            str(r["graphs"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--hf-prompts", type=int, default=256, help="prompts for HF generate; 0 skips it")
+    parser.add_argument("--spread", type=int, nargs=2, default=[32, 512], metavar=("LOW", "HIGH"))
+    parser.add_argument("--no-spread", dest="spread", action="store_const", const=None)
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a decode step's GPU time by kernel first")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, device {name}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    rows = []
+    for model in args.models:
+        rows += bench_model(model, args, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the last model's cache blocks, before the next model's peak is measured
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

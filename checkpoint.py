@@ -1,0 +1,138 @@
+"""Checkpoints of a run: trained roles through torch.distributed.checkpoint (DCP), plus the run state.
+
+    <run_dir>/checkpoints/step_00000040/
+        actor/   critic/          DCP folders (model + optimizer), written by each role's pool, sharded
+        rank_00003.pt             per-rank state: RNG streams, replay buffer
+        trainer.pt                rank 0: step, data position, KL controller, guard rails, role counters
+    <run_dir>/checkpoints/latest  the name of the newest complete checkpoint (written last)
+
+A checkpoint is written into `step_N.tmp` and renamed when every rank has finished, so a folder without `.tmp`
+is complete. DCP reshards on load: a run may resume on a different number of ranks or another layout (the per-rank
+RNG streams are then started afresh from the seed, and the log says so). Files are read back with
+`torch.load(weights_only=True)`: a checkpoint can't run code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("meshrl")
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Complete checkpoint folders under `root`, newest first."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted((n for n in os.listdir(root) if STEP_DIR.match(n)), reverse=True)
+    return [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, "trainer.pt"))]
+
+
+def save_role(path: str, model, optimizer, group) -> None:
+    """One trained role (model + optimizer, sharded as they are) into the DCP folder `path`, by its pool."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
+
+
+def load_role(path: str, model, optimizer, group) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dict, keep_last: int) -> str:
+    """Write checkpoint `step` (every rank calls). roles: {name: (model, optimizer, pool group)} hosted by this
+    rank. Returns the final folder."""
+    rank = dist.get_rank()
+    final = step_dir(root, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for name, (model, optimizer, group) in roles.items():
+        save_role(os.path.join(tmp, name), model, optimizer, group)
+    torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_latest(root, os.path.basename(final))
+        for old in complete_checkpoints(root)[max(keep_last, 1) :]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, "latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+    os.replace(tmp, os.path.join(root, "latest"))
+
+
+def candidates(root: str, resume: str) -> list[str]:
+    """Checkpoints to try, in order, for `checkpoint.resume` (auto / never / a folder). Same list on every rank."""
+    if resume == "never":
+        return []
+    if resume != "auto":
+        if not os.path.isfile(os.path.join(resume, "trainer.pt")):
+            raise ValueError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no trainer.pt there)")
+        return [resume]
+    found = [None]
+    if dist.get_rank() == 0:
+        found[0] = complete_checkpoints(root)
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def load(path: str, roles: dict) -> tuple[dict, dict | None]:
+    """Load the roles (resharding as needed) and return (trainer_state, this rank's state or None when the
+    checkpoint was written by a different number of ranks). Raises if any rank fails to read its part."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = None
+    trainer_state = rank_state = None
+    try:
+        for name, (model, optimizer, group) in roles.items():
+            load_role(os.path.join(path, name), model, optimizer, group)
+        trainer_state = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
+        if trainer_state["world_size"] == world:
+            rank_state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=True)
+    except (Exception, CheckpointException) as e:  # a corrupt or truncated file: all ranks must move on together
+        error = f"{type(e).__name__}: {e}"
+    failed = torch.tensor([1.0 if error else 0.0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise RuntimeError(error or "another rank could not read its part")
+    return trainer_state, rank_state
+
+
+def rng_state(generators: dict[str, torch.Generator]) -> dict:
+    state = {"torch": torch.get_rng_state(), **{k: g.get_state() for k, g in generators.items()}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    for k, g in generators.items():
+        g.set_state(state[k])

@@ -1,0 +1,57 @@
+"""What a rollout engine takes and returns: SamplingParams in, RolloutOutput out."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. temperature 0 means greedy (argmax); top_k 0 means off.
+
+    n samples are drawn per prompt and are consecutive in the output. A row ends after it emits one of
+    stop_token_ids (the stop token is part of the response and its mask) or after max_new_tokens tokens.
+    Stop tokens cannot be sampled before min_new_tokens tokens (benchmarks set min_new_tokens = max_new_tokens).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+
+
+@dataclass
+class RolloutOutput:
+    """Samples of one generate call; N = len(prompts) * n, R = the longest response of the call.
+
+    prompt_ids: per sample, the prompt (unpadded; repeated for the n samples of a prompt).
+    response_ids: [N, R] long, right-padded with pad_token_id.
+    response_mask: [N, R] long, 1 on response tokens (the stop token included), 0 on padding.
+    logprobs: [N, R] float32, log_softmax(logits / temperature) at each sampled token (temperature 1 when greedy),
+        before top-k/top-p truncation; 0 on padding.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+

@@ -1,0 +1,285 @@
+"""A compact forward for Llama / Qwen2-family decoders that reads the Hugging Face module's parameters in place.
+
+The slot engine (rollout/slots.py) runs prefill and decode through these functions against its own KV cache. The HF
+modules are never called, so FSDP2's hooks do not run either: the engine unshards once per rollout and reads the
+full tensors that FSDP2 swaps into the modules. Tensor-parallel parameters (DTensors from parallel/tp.py's plan) are
+read as their local shards: q/k/v and gate/up hold whole heads / rows of this rank, and the row-parallel o/down
+projections give partial sums that `reduce` adds up over the tp group, as RowwiseParallel does in training.
+
+Numerics follow the HF modules step for step (norms in float32, rotary tables cast to the model dtype, residual sums
+in the model dtype), so greedy decoding in float32 matches HF `generate` token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# Rotary variants whose inverse frequencies the HF rotary module fixes at init; the dynamic ones (NTK, longrope)
+# change them with the sequence length, which this forward does not do.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LayerWeights(NamedTuple):
+    """One decoder block's parameters as local tensors (this rank's shard under tensor parallelism).
+
+    Norms [hidden]; q [heads * D, hidden], k/v [kv_heads * D, hidden], o [hidden, heads * D]; gate/up
+    [inter, hidden], down [hidden, inter]; biases [out features] or None. heads, kv_heads, inter: this rank's share.
+    """
+
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    q_bias: torch.Tensor | None
+    k: torch.Tensor
+    k_bias: torch.Tensor | None
+    v: torch.Tensor
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up: torch.Tensor
+    up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class DecoderWeights:
+    """Views of a model's parameters (no copies); valid while the parameters stay where they are (one rollout)."""
+
+    embed: torch.Tensor  # [V, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [V, hidden]
+    inv_freq: torch.Tensor  # [D / 2] float32
+    rope_scale: float
+    eps: float
+    head_dim: int
+    kv_heads: int  # on this rank
+    row_parallel: bool  # o/down give partial sums to be reduced over the tp group
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        """Addresses of every tensor read, so a caller can tell whether captured graphs still point at them."""
+        tensors = [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer if t is not None)]
+        return tuple(t.data_ptr() for t in tensors)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the compact forward cannot run `model`, or None when it can."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not 'silu'"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} is not one of {STATIC_ROPE_TYPES}"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return "sliding-window attention layers are not supported"
+    backbone = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(backbone, name):
+            return f"model.model.{name} is missing (not an HF Llama/Qwen2 causal LM layout)"
+    if not hasattr(model, "lm_head"):
+        return "model.lm_head is missing"
+    return None
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's local data without autograd: a DTensor's shard on this rank, else the tensor itself."""
+    if t is None:
+        return None
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+def read_weights(model: nn.Module) -> DecoderWeights:
+    """Views of `model`'s parameters, read now (after any FSDP2 unshard). Raises ValueError on shapes this forward
+    cannot run: heads not whole on this rank, or parameters still sharded by FSDP."""
+    config = model.config
+    backbone = model.model
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = []
+    for block in backbone.layers:
+        attn, mlp = block.self_attn, block.mlp
+        layers.append(
+            LayerWeights(
+                _local(block.input_layernorm.weight),
+                _local(attn.q_proj.weight), _local(attn.q_proj.bias),
+                _local(attn.k_proj.weight), _local(attn.k_proj.bias),
+                _local(attn.v_proj.weight), _local(attn.v_proj.bias),
+                _local(attn.o_proj.weight), _local(attn.o_proj.bias),
+                _local(block.post_attention_layernorm.weight),
+                _local(mlp.gate_proj.weight), _local(mlp.gate_proj.bias),
+                _local(mlp.up_proj.weight), _local(mlp.up_proj.bias),
+                _local(mlp.down_proj.weight), _local(mlp.down_proj.bias),
+            )
+        )
+    first = layers[0]
+    hidden = config.hidden_size
+    heads, kv_heads = first.q.shape[0] // head_dim, first.k.shape[0] // head_dim
+    expected = {
+        "embed_tokens": (_local(backbone.embed_tokens.weight).shape, (config.vocab_size, hidden)),
+        "q_proj": (first.q.shape, (heads * head_dim, hidden)),
+        "k_proj": (first.k.shape, (kv_heads * head_dim, hidden)),
+        "o_proj": (first.o.shape, (hidden, heads * head_dim)),
+        "down_proj": (first.down.shape, (hidden, first.gate.shape[0])),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(
+                f"{name} weight has local shape {tuple(got)}, expected {want}: parameters still sharded (unshard FSDP "
+                "first) or a tensor-parallel split that does not keep whole heads"
+            )
+    if kv_heads == 0 or heads % kv_heads or config.num_attention_heads % heads:
+        raise ValueError(
+            f"{heads} query heads and {kv_heads} key/value heads on this rank (of {config.num_attention_heads} and "
+            f"{config.num_key_value_heads}): tensor parallelism must split both into whole, matching groups"
+        )
+    rotary = backbone.rotary_emb
+    return DecoderWeights(
+        embed=_local(backbone.embed_tokens.weight),
+        layers=layers,
+        norm=_local(backbone.norm.weight),
+        lm_head=_local(model.lm_head.weight),
+        inv_freq=rotary.inv_freq.detach().float(),
+        rope_scale=float(rotary.attention_scaling),
+        eps=float(config.rms_norm_eps),
+        head_dim=head_dim,
+        kv_heads=kv_heads,
+        row_parallel=heads < config.num_attention_heads,
+    )
+
+
+def rope_tables(weights: DecoderWeights, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [length, D] in the model dtype for positions 0..length-1, computed as the HF rotary module does."""
+    freqs = torch.arange(length, device=device).float()[:, None] * weights.inv_freq.to(device)[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos() * weights.rope_scale, angles.sin() * weights.rope_scale
+    return cos.to(weights.dtype), sin.to(weights.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] -> same shape; the variance in float32, as HF's RMSNorm."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., D]; cos, sin broadcastable to x. Rotary embedding in HF's rotate-half layout."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: Reduce | None):
+    """o_proj / down_proj: partial sums reduced over the tp group before the (replicated) bias is added once."""
+    y = F.linear(x, weight)
+    if reduce is not None:
+        y = reduce(y)
+    return y if bias is None else y + bias
+
+
+def _mlp(x: torch.Tensor, w: LayerWeights, reduce: Reduce | None) -> torch.Tensor:
+    gate = F.linear(x, w.gate, w.gate_bias)
+    up = F.linear(x, w.up, w.up_bias)
+    return _row_parallel(F.silu(gate) * up, w.down, w.down_bias, reduce)
+
+
+def decode_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float,
+    head_dim: int,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block for one new token in each of the first B slots of the cache.
+
+    hidden, residual: [B, hidden], the previous block's output and the residual stream before it (summed here, so the
+    sum fuses with the norm under torch.compile; the first block gets the embeddings and zeros).
+    k_cache, v_cache: [S, kv_heads, T_max, D], this block's cache; the new key/value of slot b is written at pos[b].
+    pos: [B] long. cos, sin: [B, D]. mask: [B, 1, 1, T] bool, True on the cached positions slot b may attend to
+    (T <= T_max: attention reads only the first T positions of each slot).
+    Returns (block output, residual), [B, hidden] each.
+    """
+    residual = hidden + residual
+    x = rms_norm(residual, w.input_norm, eps)
+    batch = x.shape[0]
+    q = F.linear(x, w.q, w.q_bias).view(batch, -1, head_dim)
+    k = F.linear(x, w.k, w.k_bias).view(batch, -1, head_dim)
+    v = F.linear(x, w.v, w.v_bias).view(batch, -1, head_dim)
+    q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+    rows = torch.arange(batch, device=x.device)
+    k_cache[rows, :, pos] = k
+    v_cache[rows, :, pos] = v
+    # Grouped-query attention for one position: the query heads sharing a key/value head become that head's
+    # "query positions", so SDPA reads each cached key/value head once and needs no repeat.
+    kv_heads, length = k.shape[1], mask.shape[-1]
+    q = q.view(batch, kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(
+        q, k_cache[:batch, :, :length], v_cache[:batch, :, :length], attn_mask=mask
+    )
+    residual = _row_parallel(out.reshape(batch, -1), w.o, w.o_bias, reduce) + residual
+    return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual
+
+
+def prefill_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dest: torch.Tensor,
+    src: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    head_dim: int,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block over P right-padded prompts of width L (positions 0..L-1).
+
+    hidden, residual: [P, L, hidden] (as in decode_layer). cos, sin: [L, D].
+    dest: [R] long slots; src: [R] long prompt of each slot. Prompt src[r]'s keys/values go to positions 0..L-1 of slot
+    dest[r], so the n samples of a prompt share one prefill. Right padding needs no mask: causal attention never lets
+    a real token see the padding after it, and the padding's cache entries lie past the prompt, where decode
+    overwrites them before any mask admits them.
+    Returns (block output, residual), [P, L, hidden] each.
+    """
+    residual = hidden + residual
+    x = rms_norm(residual, w.input_norm, eps)
+    prompts, width = x.shape[:2]
+    q = F.linear(x, w.q, w.q_bias).view(prompts, width, -1, head_dim).transpose(1, 2)
+    k = F.linear(x, w.k, w.k_bias).view(prompts, width, -1, head_dim).transpose(1, 2)
+    v = F.linear(x, w.v, w.v_bias).view(prompts, width, -1, head_dim).transpose(1, 2)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    k_cache[dest, :, :width] = k[src]
+    v_cache[dest, :, :width] = v[src]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(prompts, width, -1)
+    residual = _row_parallel(out, w.o, w.o_bias, reduce) + residual
+    return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual

@@ -1,0 +1,433 @@
+"""Slot-based generation: a preallocated KV cache, continuous batching, decode steps replayed from CUDA graphs.
+
+Every sequence being generated owns a slot: one row of the KV cache with room for its prompt and its response. A
+generate call repeats:
+1. admission: waiting sequences take the free slots. Prefill runs once per prompt (prompts batched, right-padded),
+   writes the prompt's keys/values into the slots of all its admitted samples and samples each one's first token.
+2. decode: STEPS_PER_CHECK steps over the first B slots (B a batch bucket covering every occupied slot), one token per
+   live slot per step. Sampling, stop checks and the bookkeeping run on the device, so on CUDA a step is one replay
+   of a graph captured for its (batch bucket, context bucket), and the host only enqueues replays.
+3. check: the host reads the slots' live flags and positions (the one host sync per STEPS_PER_CHECK steps), frees the
+   finished slots, and, once no sequence waits, moves the live slots to the front so a smaller bucket serves them.
+Tokens and logprobs land in per-sequence output rows, so any slot can serve any sequence.
+
+The forward is rollout/decoder.py's compact Llama/Qwen2 forward over the model's parameters in place; its blocks and
+the sampling step can be compiled with torch.compile (CUDA only) before the graphs are captured.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.api import RolloutOutput, SamplingParams
+from rollout.decoder import DecoderWeights, decode_layer, prefill_layer, read_weights, rms_norm, rope_tables
+from rollout.sampling import gumbel_noise, sample_with_noise, take_first_tp_rank
+
+STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idles at most this many steps
+MIN_BATCH_BUCKET = 8
+CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
+SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
+
+
+class SlotState(NamedTuple):
+    """The decode state on the device. S slots; N sequences; R_max the longest response allowed."""
+
+    token: torch.Tensor  # [S] long: the slot's last sampled token, not yet in the cache
+    pos: torch.Tensor  # [S] long: the position that token takes in the cache
+    gen: torch.Tensor  # [S] long: tokens generated so far
+    limit: torch.Tensor  # [S] long: the sequence's max_new_tokens
+    live: torch.Tensor  # [S] bool
+    seq: torch.Tensor  # [S] long: the sequence (output row) the slot serves
+    out_tokens: torch.Tensor  # [N + 1, R_max] long; row N takes the writes of slots that are not live
+    out_logprobs: torch.Tensor  # [N + 1, R_max] float32
+    out_len: torch.Tensor  # [N + 1] long
+
+
+def decode_inputs(
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    embed: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token, pos: [B] long; embed: [V, hidden]; cos/sin_table: [T_max, D]; positions: [T] = arange(T).
+    Returns embeddings [B, hidden], cos and sin [B, D] at pos, and the attention mask [B, 1, 1, T] (positions <= pos:
+    the cache so far and the token written this step)."""
+    mask = positions[None, :] <= pos[:, None]
+    return F.embedding(token, embed), cos_table[pos], sin_table[pos], mask[:, None, None, :]
+
+
+def sample_and_record(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    rows: torch.Tensor,
+    norm: torch.Tensor,
+    lm_head: torch.Tensor,
+    state: SlotState,
+    seed: torch.Tensor,
+    stop_mask: torch.Tensor | None,
+    eps: float,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_new_tokens: int,
+    advance_positions: bool,
+    broadcast: Callable | None = None,
+) -> None:
+    """Sample the next token of the slots `rows` and update their state in place.
+
+    hidden, residual: [R, hidden], the last block's output and residual at each slot's last position. rows: [R] long
+    slots. seed: [1] int32. stop_mask: [V] bool (True on stop tokens) or None when there are none.
+    A slot that is not live samples too (its work is in the batch anyway) but writes to the spare output row and
+    keeps its state. advance_positions: a decode step moves pos past the token it just wrote; prefill does not (the
+    prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
+    tokens and logprobs.
+    """
+    logits = F.linear(rms_norm(hidden + residual, norm, eps), lm_head)
+    gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]
+    banned = None
+    if stop_mask is not None and min_new_tokens > 0:
+        banned = (gen < min_new_tokens)[:, None] & stop_mask[None, :]
+    noise = gumbel_noise(seed, seq, gen, logits.shape[-1]) if temperature > 0 else None
+    tokens, logprobs = sample_with_noise(logits, temperature, top_k, top_p, banned, noise)
+    if broadcast is not None:
+        tokens, logprobs = broadcast(tokens, logprobs)
+    spare = state.out_len.shape[0] - 1
+    out_row, out_col = torch.where(live, seq, spare), torch.where(live, gen, 0)
+    state.out_tokens[out_row, out_col] = tokens
+    state.out_logprobs[out_row, out_col] = logprobs
+    state.out_len[out_row] = gen + 1
+    finished = gen + 1 >= state.limit[rows]
+    if stop_mask is not None:
+        finished = finished | stop_mask[tokens]
+    state.token[rows] = tokens
+    state.gen[rows] = gen + live
+    if advance_positions:
+        state.pos[rows] = state.pos[rows] + live
+    state.live[rows] = live & ~finished
+
+
+class _Run:
+    """One generate call: the cache, the device state, the captured graphs and the host's view of the slots."""
+
+    def __init__(self, slots: int, slot_len: int, num_seqs: int, max_new: int, w: DecoderWeights, device):
+        shape = (slots, w.kv_heads, slot_len, w.head_dim)
+        # Zeroed, not empty: attention weighs masked positions by exactly 0, but 0 * NaN from stale memory is NaN.
+        self.k = [torch.zeros(shape, dtype=w.dtype, device=device) for _ in w.layers]
+        self.v = [torch.zeros(shape, dtype=w.dtype, device=device) for _ in w.layers]
+        self.cos, self.sin = rope_tables(w, slot_len, device)
+        self.positions = torch.arange(slot_len, device=device)
+        self.rows = torch.arange(slots, device=device)
+        long = dict(dtype=torch.long, device=device)
+        self.state = SlotState(
+            token=torch.zeros(slots, **long),
+            pos=torch.zeros(slots, **long),
+            gen=torch.zeros(slots, **long),
+            limit=torch.ones(slots, **long),
+            live=torch.zeros(slots, dtype=torch.bool, device=device),
+            seq=torch.full((slots,), num_seqs, **long),
+            out_tokens=torch.zeros(num_seqs + 1, max_new, **long),
+            out_logprobs=torch.zeros(num_seqs + 1, max_new, dtype=torch.float32, device=device),
+            out_len=torch.zeros(num_seqs + 1, **long),
+        )
+        self.slot_seq: list[int | None] = [None] * slots  # host: the sequence in each slot, None when free
+        self.slot_pos = [0] * slots  # host: pos of each occupied slot, exact at every check
+        self.slot_left = [0] * slots  # host: an upper bound on the steps each occupied slot may still decode
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        cuda = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.capture_stream = torch.cuda.Stream(device) if cuda else None
+        self.shapes: tuple = ()  # what, besides the bucket, a captured step's inputs depend on (set by the engine)
+
+    def occupied(self) -> list[int]:
+        return [s for s, seq in enumerate(self.slot_seq) if seq is not None]
+
+
+class SlotEngine:
+    """Generation with a slot KV cache on a Llama/Qwen2 model's parameters in place; see the module docstring.
+
+    max_num_seqs: slots at most (the decode batch). kv_cache_tokens: the KV cache's size in tokens (slots x slot
+    length); None sizes it on CUDA from gpu_memory_utilization (the share of the GPU's memory this process may hold
+    in all, weights and training state included) and on CPU from max_num_seqs. max_prefill_tokens: prompt tokens
+    (padded) per prefill forward, which bounds its activations. cuda_graphs / compile: capture the decode step in
+    CUDA graphs, and compile its blocks and sampling with torch.compile first (CUDA only; compile is skipped under
+    tensor parallelism, whose all-reduce runs between the compiled pieces).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pad_token_id: int,
+        tp_group: dist.ProcessGroup | None,
+        max_num_seqs: int,
+        kv_cache_tokens: int | None,
+        gpu_memory_utilization: float,
+        max_prefill_tokens: int,
+        cuda_graphs: bool,
+        compile: bool,
+    ):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.tp_group = tp_group
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache_tokens = kv_cache_tokens
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cuda_graphs = cuda_graphs
+        self.compile = compile
+        self._compiled: dict[str, Callable] = {}
+        self._warm: set[tuple] = set()  # (bucket, run shapes) that ran once before, so capture needs no warm-up run
+        self.stats: dict[str, int] = {}  # of the last generate call: slots, decode_steps, prefills, graphs
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        limits: list[int],
+    ) -> RolloutOutput:
+        """prompts: non-empty token lists; limits: max_new_tokens per prompt. Called with the parameters unsharded
+        and autograd off (NativeEngine.generate)."""
+        w = read_weights(self.model)
+        device = w.embed.device
+        n = params.n
+        num_seqs = len(prompts) * n
+        max_new = max(limits)
+        longest = max(len(p) + limit for p, limit in zip(prompts, limits))
+        slot_len = -(-longest // SLOT_ALIGN) * SLOT_ALIGN
+        slots = self._slot_count(w, slot_len, longest, num_seqs, device)
+        run = _Run(slots, slot_len, num_seqs, max_new, w, device)
+        self.stats = dict(slots=slots, decode_steps=0, prefills=0, graphs=0)
+        use_graphs = self.cuda_graphs and device.type == "cuda"
+        compiled = self.compile and device.type == "cuda" and self.tp_group is None
+        layer, prefill, inputs, sample = (
+            self._fn(f, compiled) for f in (decode_layer, prefill_layer, decode_inputs, sample_and_record)
+        )
+        reduce = broadcast = None
+        if self.tp_group is not None:
+            reduce = partial(_all_reduce, group=self.tp_group)
+            broadcast = partial(take_first_tp_rank, group=self.tp_group)
+        # The seed of the counter-based sampling noise: drawn from `generator`, so a seed reproduces the output.
+        seed_device = generator.device if generator is not None else device
+        seed = torch.randint(2**31 - 1, (1,), generator=generator, device=seed_device).to(device, torch.int32)
+        stop_mask = None
+        if params.stop_token_ids:
+            stop_mask = torch.zeros(w.embed.shape[0], dtype=torch.bool, device=device)
+            stop_mask[list(params.stop_token_ids)] = True
+        sampling = (w.eps, params.temperature, params.top_k, params.top_p, params.min_new_tokens)
+        run.shapes = (slots, slot_len, num_seqs, max_new, stop_mask is None, sampling, w.dtype)
+
+        def sample_rows(hidden, residual, rows, advance_positions):
+            sample(hidden, residual, rows, w.norm, w.lm_head, run.state, seed, stop_mask, *sampling,
+                   advance_positions, broadcast)
+
+        def step(batch: int, length: int) -> None:
+            st = run.state
+            pos = st.pos[:batch]
+            hidden, cos, sin, mask = inputs(st.token[:batch], pos, w.embed, run.cos, run.sin, run.positions[:length])
+            residual = torch.zeros_like(hidden)
+            for block, k, v in zip(w.layers, run.k, run.v):
+                hidden, residual = layer(hidden, residual, block, k, v, pos, cos, sin, mask, w.eps, w.head_dim,
+                                         reduce)
+            sample_rows(hidden, residual, run.rows[:batch], True)
+
+        waiting = deque(range(num_seqs))
+        while True:
+            free = [s for s, seq in enumerate(run.slot_seq) if seq is None]
+            if waiting and free:
+                admitted = [(waiting.popleft(), slot) for slot in free[: len(waiting)]]
+                self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows)
+            occupied = run.occupied()
+            if not occupied:
+                break
+            batch = _batch_bucket(max(occupied) + 1, slots)
+            steps = min(STEPS_PER_CHECK, max(run.slot_left[s] for s in occupied))
+            needed = max(run.slot_pos[s] for s in occupied) + steps
+            length = min(slot_len, -(-needed // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+            for _ in range(steps):
+                if use_graphs:
+                    self._graph(run, batch, length, step).replay()
+                else:
+                    step(batch, length)
+            self.stats["decode_steps"] += steps
+            self._check(run, batch, steps, compact=not waiting)
+
+        lengths = run.state.out_len[:num_seqs]
+        width = int(lengths.max())
+        mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+        return RolloutOutput(
+            prompt_ids=[list(p) for p in prompts for _ in range(n)],
+            response_ids=run.state.out_tokens[:num_seqs, :width].masked_fill(~mask, self.pad_token_id),
+            response_mask=mask.long(),
+            logprobs=run.state.out_logprobs[:num_seqs, :width].masked_fill(~mask, 0.0),
+        )
+
+    def _fn(self, fn: Callable, compiled: bool) -> Callable:
+        if not compiled:
+            return fn
+        if fn.__name__ not in self._compiled:
+            self._compiled[fn.__name__] = torch.compile(fn, fullgraph=True)
+        return self._compiled[fn.__name__]
+
+    def _slot_count(self, w: DecoderWeights, slot_len: int, longest: int, num_seqs: int, device) -> int:
+        """How many slots of slot_len tokens the KV cache budget holds, at most max_num_seqs and num_seqs."""
+        budget = self.kv_cache_tokens
+        if budget is None and device.type == "cuda":
+            bytes_per_token = 2 * len(w.layers) * w.kv_heads * w.head_dim * w.embed.element_size()
+            free, total = torch.cuda.mem_get_info(device)
+            allocated = torch.cuda.memory_allocated(device)
+            cached = torch.cuda.memory_reserved(device) - allocated
+            available = min(free + cached, self.gpu_memory_utilization * total - allocated)
+            budget = int(available - self._activation_bytes(w)) // bytes_per_token
+        if budget is None:
+            return min(self.max_num_seqs, num_seqs)
+        if budget < slot_len:
+            source = "kv_cache_tokens" if self.kv_cache_tokens is not None else "gpu_memory_utilization"
+            raise ValueError(
+                f"the KV cache budget of {max(budget, 0)} tokens (from {source}) cannot hold one sequence of {longest} "
+                f"tokens (longest prompt + max_new_tokens; a slot takes {slot_len}): raise {source} or shorten the "
+                "prompts or max_new_tokens"
+            )
+        return min(self.max_num_seqs, num_seqs, budget // slot_len)
+
+    def _activation_bytes(self, w: DecoderWeights) -> int:
+        """A rough bound on the transient memory of a prefill forward and a decode step, kept out of the KV cache."""
+        hidden, inter = w.embed.shape[1], w.layers[0].gate.shape[0]
+        width = w.layers[0].q.shape[0] + 2 * w.kv_heads * w.head_dim
+        prefill = self.max_prefill_tokens * (6 * hidden + 3 * inter + 2 * width) * w.embed.element_size()
+        logits = self.max_num_seqs * w.embed.shape[0] * 16  # logits and their float32 temporaries
+        return prefill + logits
+
+    def _prefill(self, run: _Run, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows) -> None:
+        """Put the admitted (sequence, slot) pairs into their slots: one prefill per prompt, the first token sampled.
+        layer: prefill_layer (maybe compiled) with its reduce bound."""
+        st, device = run.state, w.embed.device
+        seqs = torch.tensor([seq for seq, _ in admitted], device=device)
+        slots = torch.tensor([slot for _, slot in admitted], device=device)
+        prompt_lens = [len(prompts[seq // n]) for seq, _ in admitted]
+        seq_limits = [limits[seq // n] for seq, _ in admitted]
+        st.seq[slots] = seqs
+        st.limit[slots] = torch.tensor(seq_limits, device=device)
+        st.pos[slots] = torch.tensor(prompt_lens, device=device)
+        st.gen[slots] = 0
+        st.live[slots] = True
+        for (seq, slot), prompt_len, limit in zip(admitted, prompt_lens, seq_limits):
+            run.slot_seq[slot], run.slot_pos[slot], run.slot_left[slot] = seq, prompt_len, limit - 1
+
+        by_prompt: dict[int, list[int]] = {}
+        for seq, slot in admitted:
+            by_prompt.setdefault(seq // n, []).append(slot)
+        chunks, width = [[]], 0
+        for index in by_prompt:
+            # Chunks of padded prompt tokens within max_prefill_tokens; a longer prompt still goes, alone.
+            width = max(width, len(prompts[index]))
+            if chunks[-1] and (len(chunks[-1]) + 1) * width > self.max_prefill_tokens:
+                chunks.append([])
+                width = len(prompts[index])
+            chunks[-1].append(index)
+        for chunk in chunks:
+            self._prefill_chunk(run, w, [prompts[i] for i in chunk], [by_prompt[i] for i in chunk], layer,
+                                sample_rows)
+
+    def _prefill_chunk(self, run: _Run, w: DecoderWeights, chunk_prompts, chunk_slots, layer, sample_rows) -> None:
+        """chunk_prompts: P prompts; chunk_slots: the slots of each prompt's admitted samples."""
+        device = w.embed.device
+        width = max(len(p) for p in chunk_prompts)
+        ids = torch.tensor([p + [self.pad_token_id] * (width - len(p)) for p in chunk_prompts], device=device)
+        dest = torch.tensor([s for slots in chunk_slots for s in slots], device=device)
+        src = torch.tensor([i for i, slots in enumerate(chunk_slots) for _ in slots], device=device)
+        hidden = F.embedding(ids, w.embed)
+        residual = torch.zeros_like(hidden)
+        cos, sin = run.cos[:width], run.sin[:width]
+        for block, k, v in zip(w.layers, run.k, run.v):
+            hidden, residual = layer(hidden, residual, block, k, v, dest, src, cos, sin, w.eps, w.head_dim)
+        last = torch.tensor([len(p) - 1 for p in chunk_prompts], device=device)
+        rows = torch.arange(len(chunk_prompts), device=device)
+        sample_rows(hidden[rows, last][src], residual[rows, last][src], dest, False)
+        self.stats["prefills"] += 1
+
+    def _graph(self, run: _Run, batch: int, length: int, step: Callable) -> torch.cuda.CUDAGraph:
+        """The decode step over `batch` slots and `length` cache positions as a CUDA graph, captured on first use.
+
+        The first capture of a shape needs one run before it (torch.compile compiles, kernels initialise). That run
+        really advances the slots, so their state is put back after it; the cache entries and output cells it wrote
+        are rewritten by the first replay with the same values, since sampling is a pure function of the state and
+        the seed. Later generate calls with the same shapes capture straight away. Capture goes through
+        capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache before every capture.
+        """
+        key = (batch, length)
+        if key not in run.graphs:
+            if (key, run.shapes) not in self._warm:
+                st = run.state
+                saved = [t.clone() for t in (st.token, st.pos, st.gen, st.live)]
+                step(batch, length)
+                for t, old in zip((st.token, st.pos, st.gen, st.live), saved):
+                    t.copy_(old)
+                self._warm.add((key, run.shapes))
+            graph = torch.cuda.CUDAGraph()
+            stream = run.capture_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=run.pool)
+                try:
+                    step(batch, length)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            run.graphs[key] = graph
+            self.stats["graphs"] += 1
+        return run.graphs[key]
+
+    def _check(self, run: _Run, batch: int, steps: int, compact: bool) -> None:
+        """Read the live flags and positions of the first `batch` slots (a host sync), free finished slots, and with
+        `compact` move the live slots to the front when that lets a smaller batch bucket serve them."""
+        st = run.state
+        live, pos = torch.stack([st.live[:batch].long(), st.pos[:batch]]).tolist()
+        for slot in range(batch):
+            if run.slot_seq[slot] is None:
+                continue
+            if live[slot]:
+                run.slot_pos[slot] = pos[slot]
+                run.slot_left[slot] -= steps
+            else:
+                run.slot_seq[slot] = None
+        occupied = run.occupied()
+        slots = len(run.slot_seq)
+        if not compact or not occupied or _batch_bucket(len(occupied), slots) >= _batch_bucket(occupied[-1] + 1, slots):
+            return
+        count = len(occupied)
+        src = torch.tensor(occupied, device=st.pos.device)
+        # Gathered before written: the source and destination slots may overlap.
+        length = max(run.slot_pos[s] for s in occupied)
+        for cache in (*run.k, *run.v):
+            cache[:count, :, :length] = cache[src, :, :length]
+        for t in (st.token, st.pos, st.gen, st.limit, st.live, st.seq):
+            t[:count] = t[src]
+        st.live[count:] = False
+        for field in ("slot_seq", "slot_pos", "slot_left"):
+            values = getattr(run, field)
+            moved = [values[s] for s in occupied]
+            values[:] = moved + ([None] * (slots - count) if field == "slot_seq" else [0] * (slots - count))
+
+
+def _batch_bucket(needed: int, slots: int) -> int:
+    """The decode batch for `needed` leading slots: a power of two (at least MIN_BATCH_BUCKET), at most `slots`, so
+    only a few graphs are captured."""
+    bucket = MIN_BATCH_BUCKET
+    while bucket < needed:
+        bucket *= 2
+    return min(bucket, slots)
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(x, group=group)
+    return x

@@ -1,0 +1,131 @@
+"""Checkpoints, resume and faults on real runs of train_ppo.py (python and torchrun/gloo), and HF export."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT, explain, run_env, run_python, torchrun
+
+STRIP = ("timing_s/", "perf/")
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(STRIP)} for r in rows]
+
+
+def config(tmp_path, assets, name, **sections):  # noqa: F811
+    return write_config(tmp_path / f"{name}.yaml", assets, tmp_path / "runs", **sections)
+
+
+def ckpts(tmp_path) -> list[str]:
+    root = tmp_path / "runs" / "t" / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_resume_equals_uninterrupted_and_a_truncated_checkpoint_is_skipped(assets, tmp_path):  # noqa: F811
+    # uninterrupted: 5 steps
+    whole = write_config(tmp_path / "whole.yaml", assets, tmp_path / "whole", run={"total_steps": 5})
+    proc = run_python(["train_ppo.py", "--config", whole])
+    assert proc.returncode == 0, explain(proc)
+    reference = comparable(read_metrics(tmp_path / "whole"))
+
+    # interrupted: 3 steps (checkpoints at 2 and 3), then damage step 3, then resume to 5
+    first = config(tmp_path, assets, "a", run={"total_steps": 3}, checkpoint={"save_every": 2, "keep_last": 2})
+    proc = run_python(["train_ppo.py", "--config", first])
+    assert proc.returncode == 0, explain(proc)
+    assert ckpts(tmp_path) == ["latest", "step_00000002", "step_00000003"]
+    shard = next((tmp_path / "runs" / "t" / "checkpoints" / "step_00000003" / "actor").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    second = config(tmp_path, assets, "b", run={"total_steps": 5}, checkpoint={"save_every": 2, "keep_last": 2})
+    proc = run_python(["train_ppo.py", "--config", second])
+    assert proc.returncode == 0, explain(proc)
+    assert "step_00000003 could not be read" in proc.stderr and "resumed from" in proc.stderr, explain(proc)
+    assert "step_00000002 (step 2)" in proc.stderr, explain(proc)
+    rows = comparable(read_metrics(tmp_path / "runs"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5], "each step once: the lines after step 2 were replaced"
+    # steps after the resume point equal the uninterrupted run (the data position, RNG, optimizer all restored);
+    # the final step also carries the final eval in both runs
+    assert rows[3:] == reference[3:]
+    assert ckpts(tmp_path) == ["latest", "step_00000004", "step_00000005"], "keep_last=2"
+
+
+def test_sigterm_saves_and_exits_zero_then_resume_finishes(assets, tmp_path):  # noqa: F811
+    cfg = config(tmp_path, assets, "c", run={"total_steps": 200})
+    proc = subprocess.Popen([sys.executable, "train_ppo.py", "--config", cfg], cwd=ROOT, env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-4000:]
+    last = read_metrics(tmp_path / "runs")[-1]["step"]
+    assert 2 <= last < 200 and ckpts(tmp_path) == ["latest", f"step_{last:08d}"], (last, ckpts(tmp_path))
+    done = config(tmp_path, assets, "d", run={"total_steps": last + 2})
+    proc = run_python(["train_ppo.py", "--config", done])
+    assert proc.returncode == 0, explain(proc)
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == list(range(last + 3))
+
+
+def test_sigkill_under_torchrun_restarts_and_resumes_then_resumes_on_two_ranks(assets, tmp_path):  # noqa: F811
+    cfg = config(tmp_path, assets, "e", run={"total_steps": 8}, checkpoint={"save_every": 2})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--max-restarts=1",
+           "train_ppo.py", "--config", cfg]
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = tmp_path / "runs" / "t" / "checkpoints" / "latest"
+    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (latest.exists() and len(metrics.read_text().splitlines()) >= 4):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(agent.pid), "-f", "train_ppo.py"], capture_output=True,
+                             text=True).stdout.split()
+    assert len(workers) == 4, workers
+    subprocess.run(["kill", "-9", workers[2]], check=True)
+    out, err = agent.communicate(timeout=400)
+    assert agent.returncode == 0, err[-6000:]
+    assert "resumed from" in err, err[-6000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == list(range(9)), "every step exactly once"
+
+    # the same run, continued on 2 ranks: DCP reshards the 4-rank checkpoint
+    more = config(tmp_path, assets, "f", run={"total_steps": 10})
+    proc = torchrun(["train_ppo.py", "--config", more], nproc=2, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "written by 4 ranks, this run has 2" in proc.stderr, explain(proc)
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == list(range(11))
+
+
+def test_export_round_trip_generates_what_the_trainer_generated(assets, tmp_path):  # noqa: F811
+    cfg = config(tmp_path, assets, "g", run={"total_steps": 2})
+    proc = run_python(["train_ppo.py", "--config", cfg])
+    assert proc.returncode == 0, explain(proc)
+    out = tmp_path / "exported"
+    proc = run_python(["scripts/export_hf.py", str(tmp_path / "runs" / "t" / "checkpoints" / "latest"),
+                       "--out", str(out)])
+    assert proc.returncode == 0, explain(proc)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    final_eval = json.loads((tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()[-1])
+    assert final_eval["step"] == 2
+    for sample in final_eval["samples"]:
+        ids = torch.tensor([tokenizer(sample["prompt"])["input_ids"]])
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+        assert text == sample["response"], (sample, text)
+
+
+def test_export_rejects_what_is_not_a_checkpoint(tmp_path):
+    proc = run_python(["scripts/export_hf.py", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert proc.returncode == 2 and "not a complete meshrl checkpoint" in proc.stderr
+
+

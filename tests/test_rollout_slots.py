@@ -1,0 +1,156 @@
+"""The slot engine (rollout/slots.py, rollout/decoder.py) on CPU in float32: what the HF-forward path and HF
+`generate` give, through slot reuse, compaction, context buckets, per-prompt limits and the KV budget.
+
+tests/test_rollout_native.py runs its checks through the same default engine; these cover what only the slot engine
+has. tests/test_rollout_cuda.py repeats the key checks with CUDA graphs and torch.compile on a GPU.
+"""
+
+import pytest
+import torch
+from test_rollout_native import PAD, PROMPTS, VOCAB, responses, teacher_forced_logprobs, tiny_model
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from rollout import slots
+from rollout.decoder import read_weights
+from rollout.native import NativeEngine, SamplingParams
+from rollout.sampling import gumbel_noise, sample_with_noise
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request):
+    return tiny_model(request.param)
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
+    return out[0, len(prompt):].tolist()
+
+
+def test_picks_the_slot_path_and_falls_back_for_other_architectures(model):
+    assert NativeEngine(model, PAD).slots is not None
+    assert NativeEngine(model, PAD, compact_forward=False).fallback_reason == "compact_forward=False"
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
+    engine = NativeEngine(gpt2.eval(), PAD)
+    assert engine.slots is None and "gpt2" in engine.fallback_reason
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=3, temperature=0))
+    assert out.response_ids.shape == (len(PROMPTS), 3)
+
+
+def test_reads_the_parameters_in_place(model):
+    weights = read_weights(model)
+    params = {p.data_ptr() for p in model.parameters()}
+    assert weights.embed.data_ptr() in params and weights.lm_head.data_ptr() in params
+    assert all(t.data_ptr() in params for layer in weights.layers for t in layer if t is not None)
+
+
+def test_slot_reuse_and_compaction_match_the_hf_forward_path(model):
+    # 12 sequences (6 prompts x n=2) in 5 slots: finished slots are refilled, and once nothing waits the live
+    # slots move to the front. Per-prompt limits make them finish at different steps.
+    prompts = PROMPTS + [[30, 31], [40, 41, 42, 43, 44]]
+    limits = [20, 3, 9, 17, 2, 30]
+    params = SamplingParams(max_new_tokens=30, temperature=0, n=2)
+    engine = NativeEngine(model, PAD, max_num_seqs=5)
+    out = engine.generate(prompts, params, max_new_tokens=limits)
+    expected = NativeEngine(model, PAD, compact_forward=False).generate(prompts, params, max_new_tokens=limits)
+    assert engine.stats["slots"] == 5 and engine.stats["prefills"] >= 2
+    assert torch.equal(out.response_ids, expected.response_ids)
+    assert torch.equal(out.response_mask, expected.response_mask)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+    assert out.response_mask.sum(-1).tolist() == [m for m in limits for _ in range(2)]
+
+
+def test_compaction_moves_live_slots_to_the_front(monkeypatch):
+    # 12 slots; after the first check only slots 0 and 11 still run, so they move to slots 0 and 1 and the batch
+    # shrinks to the smallest bucket.
+    qwen = tiny_model("qwen2")
+    prompts = [[i + 1, i + 2] for i in range(12)]
+    limits = [25] + [2] * 10 + [25]
+    batches = []
+    bucket = slots._batch_bucket
+
+    def recording_bucket(needed: int, count: int) -> int:
+        batches.append(bucket(needed, count))
+        return batches[-1]
+
+    monkeypatch.setattr(slots, "_batch_bucket", recording_bucket)
+    params = SamplingParams(max_new_tokens=25, temperature=0)
+    out = NativeEngine(qwen, PAD).generate(prompts, params, max_new_tokens=limits)
+    assert 12 in batches and batches[-1] == slots.MIN_BATCH_BUCKET
+    for i in (0, 11):
+        assert responses(out)[i] == hf_greedy(qwen, prompts[i], 25)
+
+
+def test_long_context_uses_several_context_buckets():
+    # 100 prompt tokens + 40 new: the first steps read 128 cache positions, the later ones all 144 of the slot.
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    llama = AutoModelForCausalLM.from_config(config).eval()
+    prompts = [torch.randint(1, VOCAB, (100,)).tolist(), [5, 6, 7]]
+    out = NativeEngine(llama, PAD).generate(prompts, SamplingParams(max_new_tokens=40, temperature=0))
+    for prompt, response in zip(prompts, responses(out)):
+        assert response == hf_greedy(llama, prompt, 40)
+        torch.testing.assert_close(out.logprobs[prompts.index(prompt), :40],
+                                   teacher_forced_logprobs(llama, prompt, response, 1.0), atol=1e-4, rtol=0)
+
+
+def test_per_prompt_limits_with_stops_and_min_new_tokens(model):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=tuple(range(1, VOCAB, 3)),
+                            min_new_tokens=3, n=3)
+    limits = [12, 4, 1, 7]
+    out = NativeEngine(model, PAD).generate(PROMPTS, params, torch.Generator().manual_seed(5), max_new_tokens=limits)
+    for i, row in enumerate(responses(out)):
+        limit = limits[i // 3]
+        assert 1 <= len(row) <= limit
+        assert len(row) >= min(3, limit) and not set(row[: min(3, limit) - 1]) & set(params.stop_token_ids)
+        assert len(row) == limit or row[-1] in params.stop_token_ids
+    with pytest.raises(ValueError, match="max_new_tokens has 1 entries for 4 prompts"):
+        NativeEngine(model, PAD).generate(PROMPTS, params, max_new_tokens=[3])
+    with pytest.raises(ValueError, match=r"max_new_tokens \[13\] outside"):
+        NativeEngine(model, PAD).generate(PROMPTS, params, max_new_tokens=[1, 2, 3, 13])
+
+
+def test_kv_budget(model):
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    # The longest sequence needs 7 + 10 = 17 positions; a slot rounds that up to 24.
+    with pytest.raises(ValueError, match="KV cache budget of 16 tokens.*cannot hold one sequence of 17 tokens"):
+        NativeEngine(model, PAD, kv_cache_tokens=16).generate(PROMPTS, params)
+    single = NativeEngine(model, PAD, kv_cache_tokens=24)
+    out = single.generate(PROMPTS, params)
+    assert single.stats["slots"] == 1
+    assert torch.equal(out.response_ids, NativeEngine(model, PAD).generate(PROMPTS, params).response_ids)
+    for kwargs, match in [({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_cache_tokens": 0}, "kv_cache_tokens"),
+                          ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                          ({"max_prefill_tokens": 0}, "max_prefill_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            NativeEngine(model, PAD, **kwargs)
+
+
+def test_small_prefill_chunks_give_the_same_samples(model):
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, n=2)
+    seed = lambda: torch.Generator().manual_seed(11)
+    chunked = NativeEngine(model, PAD, max_prefill_tokens=5)
+    a = chunked.generate(PROMPTS, params, seed())
+    b = NativeEngine(model, PAD).generate(PROMPTS, params, seed())
+    assert chunked.stats["prefills"] == 4
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_gumbel_sampling_follows_the_truncated_distribution():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    rows = 40_000
+    logits = probs.log().expand(rows, 4)
+    keys, steps = torch.arange(rows) % 97, torch.arange(rows) // 97
+    noise = gumbel_noise(torch.tensor([1234], dtype=torch.int32), keys, steps, 4)
+    tokens, logprobs = sample_with_noise(logits, 1.0, 3, 1.0, None, noise)
+    frequencies = torch.bincount(tokens, minlength=4).float() / rows
+    torch.testing.assert_close(frequencies, torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95, atol=0.01, rtol=0)
+    torch.testing.assert_close(logprobs, probs.log()[tokens])
+    # Standard Gumbel moments, and neighbouring keys and steps uncorrelated.
+    big = gumbel_noise(torch.tensor([7], dtype=torch.int32), torch.arange(512), torch.zeros(512), 1024)
+    assert abs(big.mean() - 0.5772) < 0.01 and abs(big.var() - torch.pi**2 / 6) < 0.03
+    assert abs(torch.corrcoef(torch.stack([big[:-1].flatten(), big[1:].flatten()]))[0, 1]) < 0.01
