@@ -297,7 +297,6 @@ class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end (and on SIGTERM/SIGUSR1)
     keep_last: int = 2
     resume: str = "auto"  # auto (newest complete checkpoint of the run), never, or a checkpoint folder
-    async_save: bool = False
     max_skipped_steps: int = 5  # non-finite gradient steps in a row before the run stops
 
 

@@ -38,6 +38,7 @@ from algo.kl_control import kl_in_reward, make_kl_controller
 from algo.losses import kl as kl_estimate
 from batch import Batch, batch_size, select
 from monitor import MetricsLogger, gather_metrics, memory_gb
+from parallel import comm
 from parallel.distributed import env_world, exit_process, init_distributed, shutdown
 from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
@@ -107,10 +108,10 @@ class PPOTrainer:
         self.pools = {role: layout.pool_of(role) for role in C.required_roles(cfg)}
         trust = cfg.model.trust_remote_code
         hosts = layout.hosts
-        self.actor = Actor(path, cfg.actor, self.pools["actor"], device, pad, self.total_steps, trust) \
+        self.actor = Actor(path, cfg.actor, self.pools["actor"], device, pad, self.total_steps, trust, cfg.comm) \
             if hosts("actor") else None
         self.critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.critic, self.pools["critic"], device,
-                             self.total_steps, trust) if self.use_critic and hosts("critic") else None
+                             self.total_steps, trust, cfg.comm) if self.use_critic and hosts("critic") else None
         self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
                                    cfg.actor.micro_batch_tokens, trust) if self.use_ref and hosts("reference") else None
         self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
@@ -129,6 +130,11 @@ class PPOTrainer:
         seed = cfg.run.seed * 1_000_003 + max(actor_pool.dp_rank, 0)
         self.gen_rng = torch.Generator(device=device).manual_seed(seed)  # sampling tokens
         self.cpu_rng = torch.Generator().manual_seed(seed)  # shuffles, resampling
+        self.comm_timer = comm.CommTimer(device)
+        for role in (self.actor, self.critic, self.reference, self.reward):
+            if role is not None and getattr(role, "model", None) is not None:
+                self.comm_timer.watch_fsdp(role.model)
+        self.usage_warnings = comm.UsageWarnings(cfg.comm)
         self.logger = None
         run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
@@ -153,7 +159,7 @@ class PPOTrainer:
             metrics["perf/total_tokens"] = float(all_reduce_sum(tokens, P["actor"].dp_group))
 
         # 2. the batch goes to the pools of reference, critic and reward (no-op for roles colocated with the actor)
-        with t("transfer"):
+        with t("transfer"), self.comm_timer.span():
             to_ref = transfer(batch, P["actor"], P["reference"], self.layout, self.device) if self.use_ref else None
             to_critic = transfer(batch, P["actor"], P["critic"], self.layout, self.device) if self.use_critic else None
             to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
@@ -178,7 +184,7 @@ class PPOTrainer:
             # the engine's and the trainer's log-probs of the same tokens: ~0 in float32, larger in bf16
             gap = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * batch["response_mask"]
             metrics["rollout/logprob_diff_max"] = gap.max().item() if gap.numel() else 0.0
-        with t("transfer"):
+        with t("transfer"), self.comm_timer.span():
             for got, role, on in ((ref, "reference", self.use_ref), (values, "critic", self.use_critic),
                                   (scores, "reward", True)):
                 if on:
@@ -193,7 +199,7 @@ class PPOTrainer:
             metrics.update(adv_metrics)
 
         # 5. updates: the critic's batch carries the returns to its pool
-        with t("transfer"):
+        with t("transfer"), self.comm_timer.span():
             critic_batch = transfer(batch, P["actor"], P["critic"], self.layout, self.device) \
                 if self.use_critic else None
         if self.critic is not None:
@@ -345,14 +351,17 @@ class PPOTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         start, before = self._resume()
+        startup = comm.bandwidth_check(self.layout, self.device) if cfg.comm.bandwidth_check else {}
         if start == 0:
-            before = self._eval_and_log(0).get("eval/score/mean", float("nan"))
+            before = self._eval_and_log(0, gather_metrics(startup)).get("eval/score/mean", float("nan"))
         last: dict[str, float] = {}
         for step in range(start + 1, self.total_steps + 1):
             began = time.perf_counter()
             local = self.step(step)
             local["timing_s/step"] = time.perf_counter() - began
             local["perf/max_memory_allocated_gb"] = memory_gb(self.device)
+            local.update(self.comm_timer.pop(local["timing_s/step"]))
+            self.usage_warnings.check(local["perf/comm_fraction"], comm.device_memory_fraction(self.device))
             merged = gather_metrics(local)
             if self.rank == 0:
                 merged["perf/throughput"] = merged.pop("perf/total_tokens", 0.0) / merged["timing_s/step"] / \
@@ -533,7 +542,11 @@ def main(argv: list[str]) -> int:
     quiet_libraries()
     rank, world, _ = env_world()
     cfg = C.parse_or_exit(argv, world, rank)
-    info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s, cfg.run.device)
+    run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
+    comm.apply_comm_env(cfg.comm, run_dir, rank)
+    info = comm.init_with_fallback(
+        lambda: init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s, cfg.run.device),
+        cfg.comm, run_dir, rank)
     torch.manual_seed(cfg.run.seed)
     setup(cfg, info.rank)
     layout = build_layout(C.pools_of(cfg, info.world_size), info.device.type)

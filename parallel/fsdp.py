@@ -12,17 +12,19 @@ from parallel.tp import apply_tp, decoder_layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def shard_model(model: nn.Module, pool: Pool, fsdp_cfg, train: bool = True) -> nn.Module:
+def shard_model(model: nn.Module, pool: Pool, fsdp_cfg, train: bool = True, replicate: bool = True) -> nn.Module:
     """Tensor-parallel (when pool.tp > 1) then FSDP2 over the pool's data-parallel axes, in place.
 
-    HSDP when pool.dp_replicate > 1: shards inside a (dp_shard) group, replicas across (dp_replicate).
+    HSDP when pool.dp_replicate > 1: shards inside a (dp_shard) group, replicas across (dp_replicate). With
+    replicate=False FSDP2 stops at dp_shard and the caller joins the replicas itself (compressed gradients,
+    parameter averaging: see roles/modeling.ReplicaSync).
     `fsdp_cfg` is config.FSDPConfig. Frozen models (reference, reward) pass train=False: no activation checkpointing.
     """
     apply_tp(model, pool.mesh["tp"])
     if fsdp_cfg.activation_checkpointing and train:
         # HF's own hook: non-reentrant checkpointing of each decoder block, which composes with FSDP2
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mesh = pool.mesh["dp_replicate", "dp_shard"] if pool.dp_replicate > 1 else pool.mesh["dp_shard"]
+    mesh = pool.mesh["dp_replicate", "dp_shard"] if pool.dp_replicate > 1 and replicate else pool.mesh["dp_shard"]
     kwargs = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(

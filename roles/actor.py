@@ -8,9 +8,11 @@ import torch
 from algo.advantages import as_bool_mask
 from algo.losses import aggregate, entropy_from_logits, kl, logprobs_from_logits, policy_loss
 from batch import Batch, batch_size, select
+from parallel.comm import set_grad_sync, sync_now
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import (
+    ReplicaSync,
     add_metric,
     all_reduce_sum,
     at_response,
@@ -29,10 +31,13 @@ from rollout.native import NativeEngine, RolloutOutput, SamplingParams
 
 class Actor:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, pad_token_id: int, total_steps: int,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, comm_cfg=None):
         """cfg: config.ActorConfig."""
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
-        self.model = shard_model(load_causal_lm(path, trust_remote_code).to(device), pool, cfg.fsdp)
+        self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
+        self.replicas = ReplicaSync(comm_cfg, pool)
+        self.model = shard_model(load_causal_lm(path, trust_remote_code).to(device), pool, cfg.fsdp,
+                                 replicate=self.replicas.replicated_by_fsdp)
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.lr_scale = 1.0  # guard rails back the learning rate off through this
         self.step_count = 0
@@ -77,7 +82,10 @@ class Actor:
                 mask = as_bool_mask(mini["response_mask"], mini["response_mask"].shape)
                 tokens = all_reduce_sum(mask.sum(), group)
                 seqs = all_reduce_sum(mask.any(-1).sum(), group)
-                for mb in micro_batches(mini, cfg.micro_batch_tokens, group):
+                micro = micro_batches(mini, cfg.micro_batch_tokens, group)
+                mini_loss = 0.0
+                for i, mb in enumerate(micro):
+                    set_grad_sync(self.model, sync_now(i, len(micro), self.grad_sync_every))
                     logits = at_response(forward(self.model, mb), mb)
                     logp = logprobs_from_logits(logits, mb["response_ids"], temperature)
                     m = mb["response_mask"]
@@ -96,10 +104,12 @@ class Actor:
                         add_metric(sums, "actor/kl_loss", kl_term.item())
                     # FSDP averages gradients over the dp ranks; the losses are already global sums
                     (loss * dp).backward()
+                    mini_loss += loss.item()
                     add_metric(sums, "actor/pg_loss", pg.item())
                     add_metric(sums, "actor/entropy", ent.item())
                     for k, v in metrics.items():
                         add_metric(sums, f"actor/{k}", float(v))
+                self.replicas.after_backward(self.model)
                 norm = grad_norm_and_clip(self.model, cfg.optim.grad_clip)
                 if torch.isfinite(norm):
                     self.optimizer.step()
@@ -109,6 +119,8 @@ class Actor:
                     self.skips_in_a_row += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 add_metric(sums, "actor/grad_norm", norm.item())
+                for k, v in self.replicas.after_step(self.model, mini_loss).items():
+                    add_metric(sums, k, v)
         self.step_count += 1
         out = mean_metrics(sums)
         # pg_loss / entropy are per-micro-batch parts of a global mean: their sum per mini-batch is the loss

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from algo.advantages import as_bool_mask
 from batch import Batch, batch_size, select
+from parallel.comm import GradCompression, ReplicaAverager, allreduce_replicas
 from parallel.transfer import balanced_bounds
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask")  # [B, L]; every other 2-D key is response-aligned [B, R]
@@ -180,3 +181,42 @@ def add_metric(sums: dict, key: str, value: float, weight: float = 1.0) -> None:
 def mean_metrics(sums: dict) -> dict[str, float]:
     return {k: s / w for k, (s, w) in sums.items() if w}
 
+
+class ReplicaSync:
+    """How a trained role's gradients cross the pool's dp_replicate axis (config.CommConfig).
+
+    - default: FSDP2's own HSDP all-reduce (`replicated_by_fsdp` True);
+    - comm.compression (bf16, fp16, int8, topk): FSDP2 stops at dp_shard and `after_backward` averages the gradients
+      over the replicas with parallel.comm.allreduce_replicas, counting the bytes (comm/grad_bytes);
+    - comm.param_averaging: no gradient exchange across replicas; parameters averaged every k optimizer steps
+      (parallel.comm.ReplicaAverager, comm/sync_period).
+    Without a replicate axis (dp_replicate = 1) there is nothing to compress or average: the default applies.
+    """
+
+    def __init__(self, comm_cfg, pool):
+        self.mode, self.state, self.averager = "fsdp", None, None
+        if comm_cfg is None or pool.dp_replicate == 1:
+            return
+        group = pool.mesh.get_group("dp_replicate")
+        if comm_cfg.param_averaging:
+            self.mode = "average"
+            self.averager = ReplicaAverager(group, comm_cfg.averaging_k_min, comm_cfg.averaging_k_max)
+        elif comm_cfg.compression != "none":
+            self.mode = "compress"
+            self.state = GradCompression(comm_cfg.compression, group, comm_cfg.topk_ratio, comm_cfg.error_feedback)
+
+    @property
+    def replicated_by_fsdp(self) -> bool:
+        return self.mode == "fsdp"
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Once per optimizer step, after the last micro-batch's backward, before clipping."""
+        if self.mode == "compress":
+            allreduce_replicas(model, self.state)
+
+    def after_step(self, model: nn.Module, loss: float) -> dict[str, float]:
+        if self.mode == "average":
+            return self.averager.step(model, loss)
+        if self.mode == "compress":
+            return {"comm/grad_bytes": self.state.pop_bytes()}
+        return {}

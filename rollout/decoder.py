@@ -73,11 +73,6 @@ class DecoderWeights:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def data_ptrs(self) -> tuple[int, ...]:
-        """Addresses of every tensor read, so a caller can tell whether captured graphs still point at them."""
-        tensors = [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer if t is not None)]
-        return tuple(t.data_ptr() for t in tensors)
-
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the compact forward cannot run `model`, or None when it can."""

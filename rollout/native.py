@@ -101,7 +101,7 @@ class NativeEngine:
         was_training = model.training
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         model.eval()
-        start = time.perf_counter()
+        start, switch_s = time.perf_counter(), 0.0
         try:
             # All-gather the parameters once per rollout rather than once per layer per token.
             for module in fsdp_modules:

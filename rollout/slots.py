@@ -198,6 +198,12 @@ class SlotEngine:
         """prompts: non-empty token lists; limits: max_new_tokens per prompt. Called with the parameters unsharded
         and autograd off (NativeEngine.generate)."""
         w = read_weights(self.model)
+        if w.row_parallel != (self.tp_group is not None):
+            raise ValueError(
+                f"tp_group is {'set' if self.tp_group is not None else 'None'} but the model's attention heads are "
+                f"{'split' if w.row_parallel else 'whole'} on this rank: pass tp_group exactly when the model is "
+                "tensor-parallel"
+            )
         device = w.embed.device
         n = params.n
         num_seqs = len(prompts) * n

@@ -114,3 +114,6 @@ def test_shipped_configs_load():
     for name in ("quickstart.yaml", "quickstart_split.yaml"):
         cfg = C.load_config(f"configs/{name}")
         C.check_ppo(cfg, 4 if "split" in name else 1)
+    # the GSM8K example names files the user brings; its keys, types and placement must hold all the same
+    cfg = C.load_config("configs/gsm8k_qwen2.5_1.5b.yaml")
+    C.check_world(cfg, 8, C.required_roles(cfg))

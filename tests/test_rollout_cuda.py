@@ -27,12 +27,12 @@ def teacher_forced(model, prompt: list[int], response: list[int], temperature: f
 
 
 def test_graphs_greedy_matches_the_hf_forward_path(model):
-    # 12 sequences in 5 slots: replays over several batch buckets, slot reuse and compaction.
+    # 12 sequences in 10 slots: graph replays through slot reuse, then compaction into the 8-slot bucket.
     params = SamplingParams(max_new_tokens=30, temperature=0, n=2, stop_token_ids=(11,), min_new_tokens=1)
-    engine = NativeEngine(model, PAD, max_num_seqs=5)
+    engine = NativeEngine(model, PAD, max_num_seqs=10)
     out = engine.generate(PROMPTS_6, params, max_new_tokens=LIMITS)
     expected = NativeEngine(model, PAD, compact_forward=False).generate(PROMPTS_6, params, max_new_tokens=LIMITS)
-    assert engine.stats["graphs"] >= 2 and engine.stats["prefills"] >= 2
+    assert engine.stats["graphs"] >= 1 and engine.stats["prefills"] >= 2
     assert torch.equal(out.response_ids, expected.response_ids)
     assert torch.equal(out.response_mask, expected.response_mask)
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=0)

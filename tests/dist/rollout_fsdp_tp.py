@@ -120,6 +120,11 @@ def check_tp(mesh: DeviceMesh) -> None:
         "hf-forward": NativeEngine(model, PAD, tp_group=mesh.get_group(), compact_forward=False),
     }
     check(engines["slots"].slots is not None, "tp: the slot path was not picked")
+    try:
+        NativeEngine(model, PAD).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        check(False, "tp: a tensor-parallel model without tp_group did not raise")
+    except ValueError as error:
+        check("pass tp_group" in str(error), f"tp: unclear error without tp_group: {error}")
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     for engine_name, engine in engines.items():
         params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(30,))
