@@ -25,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from parallel.distributed import comm_device
+
 log = logging.getLogger("meshrl")
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -41,10 +43,16 @@ def complete_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, "trainer.pt"))]
 
 
-def save_role(path: str, model, optimizer, group) -> None:
-    """One trained role (model + optimizer, sharded as they are) into the DCP folder `path`, by its pool."""
+def save_role(path: str, model, optimizer, group, async_save: bool = False):
+    """One trained role (model + optimizer, sharded as they are) into the DCP folder `path`, by its pool's gloo
+    group. async_save: the state is staged to CPU memory now and written by a background thread; returns its
+    future (None when synchronous)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
+    state = {"model": model_sd, "optim": optim_sd}
+    if async_save:
+        return dcp.async_save(state, checkpoint_id=path, process_group=group)
+    dcp.save(state, checkpoint_id=path, process_group=group)
+    return None
 
 
 def load_role(path: str, model, optimizer, group) -> None:
@@ -54,9 +62,35 @@ def load_role(path: str, model, optimizer, group) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dict, keep_last: int) -> str:
-    """Write checkpoint `step` (every rank calls). roles: {name: (model, optimizer, pool group)} hosted by this
-    rank. Returns the final folder."""
+class PendingSave:
+    """A checkpoint whose files may still be being written; `finish` (every rank) waits, then makes it complete."""
+
+    def __init__(self, root: str, tmp: str, final: str, futures: list, keep_last: int):
+        self.root, self.tmp, self.final, self.futures, self.keep_last = root, tmp, final, futures, keep_last
+        self.done = False
+
+    def finish(self) -> str:
+        if self.done:
+            return self.final
+        self.done = True
+        for future in self.futures:
+            future.result()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.final, ignore_errors=True)
+            os.replace(self.tmp, self.final)
+            _write_latest(self.root, os.path.basename(self.final))
+            for old in complete_checkpoints(self.root)[max(self.keep_last, 1) :]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return self.final
+
+
+def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dict, keep_last: int,
+         async_save: bool = False) -> PendingSave:
+    """Write checkpoint `step` (every rank calls). roles: {name: (model, optimizer, pool io group)} hosted by this
+    rank. Synchronous saves come back finished; with async_save the caller calls `finish()` later (before the next
+    save and before exiting), and training may go on meanwhile."""
     rank = dist.get_rank()
     final = step_dir(root, step)
     tmp = final + ".tmp"
@@ -64,20 +98,15 @@ def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dic
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    for name, (model, optimizer, group) in roles.items():
-        save_role(os.path.join(tmp, name), model, optimizer, group)
+    futures = [save_role(os.path.join(tmp, name), model, optimizer, group, async_save)
+               for name, (model, optimizer, group) in roles.items()]
     torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
     if rank == 0:
         torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_latest(root, os.path.basename(final))
-        for old in complete_checkpoints(root)[max(keep_last, 1) :]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+    pending = PendingSave(root, tmp, final, [f for f in futures if f is not None], keep_last)
+    if not async_save:
+        pending.finish()
+    return pending
 
 
 def _write_latest(root: str, name: str) -> None:
@@ -116,7 +145,7 @@ def load(path: str, roles: dict) -> tuple[dict, dict | None]:
             rank_state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=True)
     except (Exception, CheckpointException) as e:  # a corrupt or truncated file: all ranks must move on together
         error = f"{type(e).__name__}: {e}"
-    failed = torch.tensor([1.0 if error else 0.0])
+    failed = torch.tensor([1.0 if error else 0.0], device=comm_device())
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
         raise RuntimeError(error or "another rank could not read its part")

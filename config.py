@@ -121,6 +121,14 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's eos is always a stop token
     eval_temperature: float = 0.0  # 0: greedy
     eval_n: int = 1
+    # the native engine (rollout/): slots, KV cache, CUDA graphs
+    max_num_seqs: int = 256  # sequences decoded at once (KV-cache slots)
+    kv_cache_tokens: int | None = None  # None: size the cache from gpu_memory_utilization on GPU
+    gpu_memory_utilization: float = 0.5  # share of the GPU this process may hold while generating (training shares it)
+    max_prefill_tokens: int = 16384
+    cuda_graphs: bool = True
+    compile: bool = True  # torch.compile the decode step before graph capture (GPU only)
+    compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
 
 
 @dataclass
@@ -276,6 +284,9 @@ class CommConfig:
     param_averaging: bool = False
     averaging_k_min: int = 1
     averaging_k_max: int = 16
+    # one-step-stale gradient all-reduce across dp_replicate: step t applies the replicas' average of step t-1's
+    # gradients while step t's all-reduce runs during step t+1's forward and backward (comm/staleness)
+    stale_allreduce: bool = False
 
     def __post_init__(self):
         if self.grad_sync_every < 1:
@@ -286,6 +297,10 @@ class CommConfig:
         for key in ("topk_ratio", "comm_fraction_warn", "memory_fraction_warn"):
             if not 0 < getattr(self, key) <= 1:
                 raise ConfigError(f"comm.{key}={getattr(self, key)}: must be in (0, 1]")
+        if self.stale_allreduce and (self.param_averaging or self.compression != "none"):
+            other = "comm.param_averaging=true" if self.param_averaging else f"comm.compression={self.compression}"
+            raise ConfigError(f"comm.stale_allreduce=true with {other}: choose one way of joining the replicas "
+                              "(stale_allreduce sends float32 gradients every step; set the other to its default)")
         for i, entry in enumerate(self.extra_env):
             name = entry.partition("=")[0].strip()
             if "=" not in entry or not name.replace("_", "a").isalnum() or name[0].isdigit():
@@ -297,6 +312,7 @@ class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end (and on SIGTERM/SIGUSR1)
     keep_last: int = 2
     resume: str = "auto"  # auto (newest complete checkpoint of the run), never, or a checkpoint folder
+    async_save: bool = False  # write in the background while training goes on (finished before the next save)
     max_skipped_steps: int = 5  # non-finite gradient steps in a row before the run stops
 
 

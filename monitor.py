@@ -7,10 +7,12 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def gather_metrics(local: dict[str, float]) -> dict[str, float]:
@@ -27,7 +29,7 @@ def gather_metrics(local: dict[str, float]) -> dict[str, float]:
 
 
 # counters add up over ranks; everything else is a mean
-SUMMED = ("reward_fn/errors", "reward_fn/timeouts", "data/")
+SUMMED = ("reward_fn/errors", "reward_fn/timeouts", "data/dropped_groups")
 
 
 def memory_gb(device: torch.device) -> float:
@@ -86,7 +88,12 @@ class MetricsLogger:
         keys = ("reward/score/mean", "eval/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl",
                 "response_length/mean", "timing_s/step", "perf/throughput")
         parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics]
-        print(f"step {step}/{total} " + " ".join(parts), flush=True)
+        tqdm.write(f"step {step}/{total} " + " ".join(parts))
+
+    def progress(self, start: int, total: int) -> tqdm:
+        """A progress bar over the steps (stderr, only on a terminal: logs stay clean)."""
+        return tqdm(total=total, initial=start, desc="steps", unit="step", dynamic_ncols=True,
+                    disable=not sys.stderr.isatty())
 
     def close(self) -> None:
         self.jsonl.close()

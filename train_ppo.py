@@ -39,7 +39,7 @@ from algo.losses import kl as kl_estimate
 from batch import Batch, batch_size, select
 from monitor import MetricsLogger, gather_metrics, memory_gb
 from parallel import comm
-from parallel.distributed import env_world, exit_process, init_distributed, shutdown
+from parallel.distributed import comm_device, env_world, exit_process, init_distributed, shutdown
 from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
 from roles.actor import Actor
@@ -108,7 +108,8 @@ class PPOTrainer:
         self.pools = {role: layout.pool_of(role) for role in C.required_roles(cfg)}
         trust = cfg.model.trust_remote_code
         hosts = layout.hosts
-        self.actor = Actor(path, cfg.actor, self.pools["actor"], device, pad, self.total_steps, trust, cfg.comm) \
+        self.actor = Actor(path, cfg.actor, self.pools["actor"], device, pad, self.total_steps, trust, cfg.comm,
+                           cfg.rollout) \
             if hosts("actor") else None
         self.critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.critic, self.pools["critic"], device,
                              self.total_steps, trust, cfg.comm) if self.use_critic and hosts("critic") else None
@@ -138,6 +139,7 @@ class PPOTrainer:
         self.logger = None
         run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
+        self.pending_save: checkpoint.PendingSave | None = None
         if self.rank == 0:
             self.logger = MetricsLogger(run_dir, cfg.run.tensorboard)
 
@@ -155,6 +157,7 @@ class PPOTrainer:
         if self.actor is not None:
             with t("gen"):
                 batch = self._generate(self.train_set, indices, self.train_params)
+            times["timing_s/reshard"] = self.actor.engine.stats.get("reshard_s", 0.0)
             tokens = (batch["prompt_len"] + batch["response_len"]).sum()
             metrics["perf/total_tokens"] = float(all_reduce_sum(tokens, P["actor"].dp_group))
 
@@ -302,7 +305,7 @@ class PPOTrainer:
         # every actor rank must take the same decision: use the dp-averaged measurements
         group = self.pools["actor"].dp_group
         size = dist.get_world_size(group)
-        vals = torch.tensor([kl_now or 0.0, var_now or 0.0])
+        vals = torch.tensor([kl_now or 0.0, var_now or 0.0], device=comm_device(group))
         dist.all_reduce(vals, group=group)
         vals /= size
         events = self.guard.step(float(vals[0]) if kl_now is not None else None,
@@ -352,9 +355,11 @@ class PPOTrainer:
         cfg = self.cfg
         start, before = self._resume()
         startup = comm.bandwidth_check(self.layout, self.device) if cfg.comm.bandwidth_check else {}
+        startup["data/dropped_long_prompts"] = float(self.train_set.n_dropped_too_long)
         if start == 0:
             before = self._eval_and_log(0, gather_metrics(startup)).get("eval/score/mean", float("nan"))
         last: dict[str, float] = {}
+        bar = self.logger.progress(start, self.total_steps) if self.logger is not None else None
         for step in range(start + 1, self.total_steps + 1):
             began = time.perf_counter()
             local = self.step(step)
@@ -371,6 +376,8 @@ class PPOTrainer:
                 last = self._eval_and_log(step, merged)
             elif self.rank == 0:
                 self._emit(step, merged)
+            if bar is not None:
+                bar.update(1)
             signalled, diverged = self._stop_flags()
             every = cfg.checkpoint.save_every
             if step == self.total_steps or signalled or (every and step % every == 0):
@@ -379,12 +386,18 @@ class PPOTrainer:
                 raise RuntimeError(f"the actor skipped {cfg.checkpoint.max_skipped_steps} optimizer steps in a row "
                                    "(non-finite loss or gradient norm); stopping. The last checkpoint is intact.")
             if signalled:
+                self.finish_save()
                 log.info("stop signal received: saved step %d, exiting", step)
                 break
+        if bar is not None:
+            bar.close()
         self.close()
         return {"before": before, "after": last.get("eval/score/mean", float("nan"))}
 
     def close(self) -> None:
+        for role in (self.actor, self.critic):
+            if role is not None:
+                role.replicas.flush()
         if self.reward is not None:
             self.reward.close()
         if self.logger is not None:
@@ -395,7 +408,7 @@ class PPOTrainer:
         roles = {}
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
-                roles[name] = (role.model, role.optimizer, self.pools[name].group)
+                roles[name] = (role.model, role.optimizer, self.pools[name].io_group)
         return roles
 
     def _stop_flags(self) -> tuple[bool, bool]:
@@ -424,10 +437,23 @@ class PPOTrainer:
         rank_state = {"rng": checkpoint.rng_state({"gen": self.gen_rng, "cpu": self.cpu_rng})}
         if self.replay is not None:
             rank_state["replay"] = self.replay.state_dict()
-        path = checkpoint.save(self.ckpt_root, step, self._trained_roles(), rank_state, trainer_state,
-                               self.cfg.checkpoint.keep_last)
+        self.finish_save()
+        for role in (self.actor, self.critic):
+            if role is not None:
+                role.replicas.flush()  # a stale all-reduce in flight must land before the gradients are saved
+        self.pending_save = checkpoint.save(self.ckpt_root, step, self._trained_roles(), rank_state, trainer_state,
+                                            self.cfg.checkpoint.keep_last, self.cfg.checkpoint.async_save)
         if self.rank == 0:
-            log.info("saved checkpoint %s in %.2f s", path, time.perf_counter() - began)
+            how = "staged (writing in the background)" if self.cfg.checkpoint.async_save else "saved"
+            log.info("%s checkpoint %s in %.2f s", how, self.pending_save.final, time.perf_counter() - began)
+        if self.cfg.checkpoint.async_save and step == self.total_steps:
+            self.finish_save()
+
+    def finish_save(self) -> None:
+        """Complete a background checkpoint write, if one is under way (every rank calls)."""
+        if self.pending_save is not None:
+            self.pending_save.finish()
+            self.pending_save = None
 
     def _resume(self) -> tuple[int, float]:
         """Load the newest readable checkpoint (checkpoint.resume); returns (its step, eval score before training),

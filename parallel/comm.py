@@ -1,6 +1,7 @@
 """Communication: the NCCL environment and its sockets fallback, a start-up all-reduce bandwidth check, gradient-sync
 frequency, compressed all-reduce of replicated gradients (DDP comm hooks, and the dp_replicate axis of HSDP),
-periodic parameter averaging across replicas, and the time spent in collectives.
+periodic parameter averaging across replicas, a one-step-stale (overlapped) replica all-reduce, and the time spent
+in collectives.
 
 Nothing here knows what PPO is. `comm_cfg` is config.CommConfig throughout.
 
@@ -475,6 +476,116 @@ class ReplicaAverager:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# One-step-stale gradient all-reduce across replicas
+
+
+class StaleAllReduce:
+    """Average the gradients over the replicas one optimizer step late, so that the all-reduce runs during the next
+    step's forward and backward instead of between the last backward and the optimizer step.
+
+    `exchange(model)` once per optimizer step, after the last backward and before clipping: it copies this step's
+    local gradients (DTensor shards: to_local) into float32 buckets of at most `bucket_numel` elements, divides them
+    by the group size and starts an async all-reduce of each bucket, then overwrites the gradients with the average
+    of the previous step's gradients, waiting for that all-reduce (it has had a whole step to finish). Step t >= 2 so
+    applies exactly the synchronous average of step t-1's gradients (the same divide-then-sum as allreduce_replicas
+    with method "none"); every replica receives the same bits, so the replicas stay identical. The first step has
+    nothing earlier: it waits for its own all-reduce and applies it (staleness 0), and that average is applied again,
+    as the stale one, by step 2. The last step's average is never applied: that is the price of the staleness.
+
+    The model's gradients must not be reduced over the replicas (FSDP2 over dp_shard alone, as for
+    allreduce_replicas). The set of parameters with gradients is fixed at the first exchange (every replica sends the
+    same buckets in the same order each step). A non-finite gradient travels inside the average: the step that
+    computed it applies the previous, finite average, and the next step sees non-finite gradients on every replica at
+    once, so a trainer that skips non-finite steps skips that one, one step late, on all replicas alike. Memory: two
+    float32 copies of the local gradients (one in flight, one being applied).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, bucket_numel: int = 1 << 25):
+        self.group = group or dist.group.WORLD
+        self.bucket_numel = bucket_numel
+        self.params: list[nn.Parameter] | None = None  # fixed at the first exchange
+        self.bounds: list[tuple[int, int]] = []  # buckets as [lo, hi) ranges of self.params
+        self.buffers: list[list[torch.Tensor]] = []  # two sets of flat buckets: slot 0 and slot 1
+        self.inflight: tuple[int, list[dist.Work]] | None = None  # (slot, its all-reduces)
+        self.ready: int | None = None  # a slot holding a finished average not yet applied as the stale one
+        self.bytes = 0.0
+
+    @torch.no_grad()
+    def exchange(self, model: nn.Module) -> int:
+        """Send this step's gradients, install the previous step's average in their place; returns the staleness
+        (in optimizer steps) of the gradients now installed: 1, or 0 when nothing earlier was pending."""
+        local = self._local_grads(model)
+        held = self.inflight[0] if self.inflight is not None else self.ready
+        slot = 1 - held if held is not None else 0
+        n = self.group.size()
+        works = []
+        for (lo, hi), flat in zip(self.bounds, self.buffers[slot]):
+            torch.cat([t.reshape(-1).float() for t in local[lo:hi]], out=flat)
+            flat.div_(n)
+            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+            self.bytes += allreduce_bytes(flat.numel() * flat.element_size(), n)
+        if held is None:  # the first step: apply this step's own average
+            for w in works:
+                w.wait()
+            self.inflight, self.ready = None, slot
+            self._install(local, slot)
+            return 0
+        if self.inflight is not None:
+            for w in self.inflight[1]:
+                w.wait()
+        self._install(local, held)
+        self.inflight, self.ready = (slot, works), None
+        return 1
+
+    def flush(self) -> None:
+        """Wait for the all-reduce in flight, if any, keeping its average for the next exchange (so training goes on
+        as if nothing happened). Issues no collective: safe on any subset of ranks, any number of times. Call it
+        before saving a checkpoint and before the process group is destroyed."""
+        if self.inflight is not None:
+            slot, works = self.inflight
+            for w in works:
+                w.wait()
+            self.inflight, self.ready = None, slot
+
+    def pop_bytes(self) -> float:
+        """Bytes this rank sent since the last call (comm/grad_bytes per step)."""
+        out, self.bytes = self.bytes, 0.0
+        return out
+
+    def _local_grads(self, model: nn.Module) -> list[torch.Tensor]:
+        with_grad = [p for p in model.parameters() if p.grad is not None]
+        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in with_grad]
+        if self.params is None:
+            self._plan(with_grad, local)
+        elif len(with_grad) != len(self.params) or any(a is not b for a, b in zip(with_grad, self.params)):
+            raise RuntimeError("comm.stale_allreduce: the parameters with gradients changed since the first step "
+                               f"({len(self.params)} then, {len(with_grad)} now); the stale all-reduce needs the "
+                               "same set every step (mark unused parameters requires_grad=False)")
+        return local
+
+    def _plan(self, params: list[nn.Parameter], local: list[torch.Tensor]) -> None:
+        self.params = params
+        sizes = [t.numel() for t in local]
+        lo, total = 0, 0
+        for i, numel in enumerate(sizes):
+            if total and total + numel > self.bucket_numel:
+                self.bounds.append((lo, i))
+                lo, total = i, 0
+            total += numel
+        self.bounds.append((lo, len(params)))
+        device = local[0].device if local else torch.device("cpu")  # the gradients' (CPU under cpu_offload)
+        self.buffers = [[torch.empty(sum(sizes[lo:hi]), dtype=torch.float32, device=device)
+                         for lo, hi in self.bounds] for _ in range(2)]
+
+    def _install(self, local: list[torch.Tensor], slot: int) -> None:
+        for (lo, hi), flat in zip(self.bounds, self.buffers[slot]):
+            offset = 0
+            for t in local[lo:hi]:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Time in collectives
 
 
@@ -519,7 +630,8 @@ class CommTimer:
         """Time every all-gather and reduce-scatter of the FSDP2 modules in `model` (results are unchanged: the
         wrappers call the same torch.distributed functions as FSDP2's defaults)."""
         for m in model.modules():
-            if isinstance(m, FSDPModule):
+            # all_gather_into_tensor / reduce_scatter_tensor: the names torch 2.11 and 2.13 share
+            if isinstance(m, FSDPModule) and hasattr(m, "set_custom_all_gather"):
                 m.set_custom_all_gather(_TimedAllGather(self))
                 m.set_custom_reduce_scatter(_TimedReduceScatter(self))
 
@@ -547,9 +659,9 @@ class _TimedAllGather:
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if async_op:
             self.timer.untimed += 1
-            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
         with self.timer.span("all_gather"):
-            return dist.all_gather_single(output_tensor, input_tensor, group=group)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
 
 
 class _TimedReduceScatter:
@@ -562,9 +674,9 @@ class _TimedReduceScatter:
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         if async_op:
             self.timer.untimed += 1
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
         with self.timer.span("reduce_scatter"):
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
 
 
 # ---------------------------------------------------------------------------------------------------------------

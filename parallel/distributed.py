@@ -90,3 +90,10 @@ def exit_process(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor for a collective on `group` must live: the current GPU for NCCL, the CPU for gloo."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

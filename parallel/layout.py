@@ -27,7 +27,8 @@ class Pool:
     dp_shard: int
     tp: int
     mesh: DeviceMesh
-    group: dist.ProcessGroup | None = None  # all ranks of the pool (checkpoint I/O); None outside
+    group: dist.ProcessGroup | None = None  # all ranks of the pool; None outside
+    io_group: dist.ProcessGroup | None = None  # the same ranks over gloo: checkpoint I/O, also from a background thread
     # this rank's view; None / -1 when the rank is outside the pool
     dp_group: dist.ProcessGroup | None = None  # dp_replicate x dp_shard flattened: ranks that see different data
     dp_rank: int = -1
@@ -112,7 +113,8 @@ def build_layout(pool_specs, device_type: str) -> Layout:
         pool = Pool(spec.name or f"pool{index}", index, ranks, tuple(spec.roles), spec.dp_replicate, dp_shard,
                     spec.tp, mesh)
         whole = dist.new_group(list(ranks))
-        pool.group = whole if rank in ranks else None
+        io = dist.new_group(list(ranks), backend="gloo")
+        pool.group, pool.io_group = (whole, io) if rank in ranks else (None, None)
         # flattened data-parallel groups, one per tp index; new_group is collective over the world
         for t in range(spec.tp):
             members = grid[:, :, t].flatten().tolist()

@@ -31,8 +31,8 @@ from rollout.native import NativeEngine, RolloutOutput, SamplingParams
 
 class Actor:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, pad_token_id: int, total_steps: int,
-                 trust_remote_code: bool = False, comm_cfg=None):
-        """cfg: config.ActorConfig."""
+                 trust_remote_code: bool = False, comm_cfg=None, rollout_cfg=None):
+        """cfg: config.ActorConfig; rollout_cfg: config.RolloutConfig (the engine's sizes and switches)."""
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
         self.replicas = ReplicaSync(comm_cfg, pool)
@@ -43,7 +43,13 @@ class Actor:
         self.step_count = 0
         self.skips_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
         tp_group = pool.mesh.get_group("tp") if pool.tp > 1 else None
-        self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group)
+        r = rollout_cfg
+        engine_options = {} if r is None else dict(
+            max_num_seqs=r.max_num_seqs, kv_cache_tokens=r.kv_cache_tokens,
+            gpu_memory_utilization=r.gpu_memory_utilization, max_prefill_tokens=r.max_prefill_tokens,
+            cuda_graphs=r.cuda_graphs, compile=r.compile, compact_forward=r.compact_forward)
+        self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group,
+                                   **engine_options)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None) -> RolloutOutput:
         return self.engine.generate(prompts, params, generator)

@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from algo.advantages import as_bool_mask
 from batch import Batch, batch_size, select
-from parallel.comm import GradCompression, ReplicaAverager, allreduce_replicas
+from parallel.comm import GradCompression, ReplicaAverager, StaleAllReduce, allreduce_replicas
+from parallel.distributed import comm_device
 from parallel.transfer import balanced_bounds
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask")  # [B, L]; every other 2-D key is response-aligned [B, R]
@@ -97,6 +98,7 @@ def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | No
     width = int(seq_len(batch).max()) if n else 1
     count = torch.tensor([max(1, math.ceil(n * width / max(token_budget, 1)))])
     if group is not None and dist.get_world_size(group) > 1:
+        count = count.to(comm_device(group))
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     bounds = balanced_bounds(n, int(count))
     out = [trim(select(batch, slice(lo, hi))) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
@@ -107,6 +109,7 @@ def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | No
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     x = x.detach().clone().float()
     if group is not None and dist.get_world_size(group) > 1:
+        x = x.to(comm_device(group))
         dist.all_reduce(x, group=group)
     return x
 
@@ -189,12 +192,16 @@ class ReplicaSync:
     - comm.compression (bf16, fp16, int8, topk): FSDP2 stops at dp_shard and `after_backward` averages the gradients
       over the replicas with parallel.comm.allreduce_replicas, counting the bytes (comm/grad_bytes);
     - comm.param_averaging: no gradient exchange across replicas; parameters averaged every k optimizer steps
-      (parallel.comm.ReplicaAverager, comm/sync_period).
+      (parallel.comm.ReplicaAverager, comm/sync_period);
+    - comm.stale_allreduce: FSDP2 stops at dp_shard; `after_backward` starts this step's all-reduce over the replicas
+      and puts the previous step's average in place of the gradients (parallel.comm.StaleAllReduce; comm/staleness,
+      comm/grad_bytes). An all-reduce stays in flight between optimizer steps: `flush()` waits for it.
     Without a replicate axis (dp_replicate = 1) there is nothing to compress or average: the default applies.
     """
 
     def __init__(self, comm_cfg, pool):
-        self.mode, self.state, self.averager = "fsdp", None, None
+        self.mode, self.state, self.averager, self.stale = "fsdp", None, None, None
+        self.staleness = 0
         if comm_cfg is None or pool.dp_replicate == 1:
             return
         group = pool.mesh.get_group("dp_replicate")
@@ -204,6 +211,9 @@ class ReplicaSync:
         elif comm_cfg.compression != "none":
             self.mode = "compress"
             self.state = GradCompression(comm_cfg.compression, group, comm_cfg.topk_ratio, comm_cfg.error_feedback)
+        elif comm_cfg.stale_allreduce:
+            self.mode = "stale"
+            self.stale = StaleAllReduce(group)
 
     @property
     def replicated_by_fsdp(self) -> bool:
@@ -213,10 +223,21 @@ class ReplicaSync:
         """Once per optimizer step, after the last micro-batch's backward, before clipping."""
         if self.mode == "compress":
             allreduce_replicas(model, self.state)
+        elif self.mode == "stale":
+            self.staleness = self.stale.exchange(model)
 
     def after_step(self, model: nn.Module, loss: float) -> dict[str, float]:
         if self.mode == "average":
             return self.averager.step(model, loss)
         if self.mode == "compress":
             return {"comm/grad_bytes": self.state.pop_bytes()}
+        if self.mode == "stale":
+            return {"comm/staleness": float(self.staleness), "comm/grad_bytes": self.stale.pop_bytes()}
         return {}
+
+    def flush(self) -> None:
+        """Wait for a stale all-reduce still in flight (its average stays for the next step, so training goes on
+        unchanged). Local, no collective; a no-op in the other modes. The trainer calls it before a checkpoint and
+        before the process group goes away."""
+        if self.stale is not None:
+            self.stale.flush()

@@ -9,9 +9,7 @@ import json
 import logging
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
-from datasets import DatasetDict, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("meshrl")
@@ -25,6 +23,9 @@ def _read_rows(path: str | Path) -> list[tuple[str, dict]]:
     if not path.exists():
         raise ValueError(f"{path} does not exist; expected a {VALID_FORMATS}")
     if path.is_dir():
+        # imported here: datasets and pyarrow are only needed for these formats (a GPU image may lack them)
+        from datasets import DatasetDict, load_from_disk
+
         try:
             dataset = load_from_disk(str(path))
         except FileNotFoundError as e:
@@ -36,6 +37,8 @@ def _read_rows(path: str | Path) -> list[tuple[str, dict]]:
             )
         return [(f"{path} row {i}", row) for i, row in enumerate(dataset.to_list())]
     if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         return [(f"{path} row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
     if path.suffix == ".jsonl":
         rows = []

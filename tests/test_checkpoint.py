@@ -38,7 +38,9 @@ def test_resume_equals_uninterrupted_and_a_truncated_checkpoint_is_skipped(asset
     reference = comparable(read_metrics(tmp_path / "whole"))
 
     # interrupted: 3 steps (checkpoints at 2 and 3), then damage step 3, then resume to 5
-    first = config(tmp_path, assets, "a", run={"total_steps": 3}, checkpoint={"save_every": 2, "keep_last": 2})
+    # written in the background (async_save): finished before the next save and at the end
+    first = config(tmp_path, assets, "a", run={"total_steps": 3},
+                   checkpoint={"save_every": 2, "keep_last": 2, "async_save": True})
     proc = run_python(["train_ppo.py", "--config", first])
     assert proc.returncode == 0, explain(proc)
     assert ckpts(tmp_path) == ["latest", "step_00000002", "step_00000003"]

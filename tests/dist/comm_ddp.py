@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.comm import ReplicaAverager, register_compression
 from parallel.distributed import exit_process, init_distributed
+from tests.dist.report import say
 
 TOPK_RATIO = 0.05
 # regression: the loss reached by top-k with error feedback may exceed the uncompressed one by this factor, and the
@@ -57,7 +58,7 @@ def check_bytes_and_values(rank: int, n: int) -> None:
     torch.testing.assert_close(grads["topk"], mine / n, rtol=1e-5, atol=1e-7)
     if rank == 0:
         print("ratios " + " ".join(f"{m}={r:.3f}x" for m, r in ratios.items()), flush=True)
-    print(f"rank {rank} PASS bytes", flush=True)
+    say(f"rank {rank} PASS bytes")
 
 
 def _copy(module: nn.Module) -> nn.Module:
@@ -113,7 +114,7 @@ def check_error_feedback(rank: int) -> None:
         print(f"regression eval loss: float32 {dense:.5f}, topk+ef {with_ef:.5f}, topk {without:.5f}", flush=True)
     assert with_ef <= dense * EF_TOLERANCE + 1e-3, (dense, with_ef)
     assert without >= WORSE * with_ef, (with_ef, without)
-    print(f"rank {rank} PASS error_feedback", flush=True)
+    say(f"rank {rank} PASS error_feedback")
 
 
 def local_sgd(rank: int, k_min: int, k_max: int, steps: int = 300) -> tuple[float, list[float], int]:
@@ -153,7 +154,7 @@ def check_averaging(rank: int) -> None:
     assert set(periods_1) == {1.0} and rounds_1 == len(periods_1)
     assert periods[0] == 1.0 and periods[-1] == 8.0 and rounds < len(periods) / 2, (rounds, periods)
     assert adaptive <= AVG_TOLERANCE * every_step + 1e-3, (every_step, adaptive)
-    print(f"rank {rank} PASS averaging", flush=True)
+    say(f"rank {rank} PASS averaging")
 
 
 def main():

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from config import CommConfig
 from parallel.comm import apply_comm_env, init_with_fallback
 from parallel.distributed import env_world, exit_process, init_distributed
+from tests.dist.report import say
 
 DEAD_PORT = 1  # privileged and unserved: every connection is refused until the timeout
 
@@ -40,7 +41,7 @@ def main():
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     assert restart == 1 and applied.get("NCCL_IB_DISABLE") == "1", (restart, applied)
     dist.barrier()
-    print(f"rank {info.rank} PASS fallback restart={restart}", flush=True)
+    say(f"rank {info.rank} PASS fallback restart={restart}")
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ from parallel.comm import CommTimer, GradCompression, allreduce_replicas, bandwi
 from parallel.distributed import exit_process, init_distributed
 from parallel.fsdp import fsdp_modules, shard_model
 from parallel.layout import build_layout
+from tests.dist.report import say
 
 N_MICRO = 4
 
@@ -59,7 +60,7 @@ def check_grad_sync(rank: int, name: str, spec) -> None:
         for key, g in results[every].items():
             torch.testing.assert_close(g, results[1][key], rtol=1e-5, atol=1e-7,
                                        msg=lambda m, key=key, every=every: f"{name} every={every} {key}: {m}")
-    print(f"rank {rank} PASS grad_sync_{name} reduce_scatters={reduce_scatters}", flush=True)
+    say(f"rank {rank} PASS grad_sync_{name} reduce_scatters={reduce_scatters}")
 
 
 def check_replica_compression(rank: int) -> None:
@@ -89,7 +90,7 @@ def check_replica_compression(rank: int) -> None:
             err = (p.grad.full_tensor() - ref[name]).abs().max() / scale
             assert err <= tol, f"{method} {name}: error {err:.2e} of the largest gradient"
     assert sent["none"] == 2 * sent["bf16"] and 3.9 < sent["none"] / sent["int8"] <= 4.0, sent
-    print(f"rank {rank} PASS replica_compression bytes={sent}", flush=True)
+    say(f"rank {rank} PASS replica_compression bytes={sent}")
 
 
 def check_bandwidth(rank: int) -> None:
@@ -101,7 +102,7 @@ def check_bandwidth(rank: int) -> None:
         assert metrics["comm/allreduce_busbw_gbps"] > 0
     else:
         assert metrics == {}, metrics  # a pool of one rank has nothing to measure
-    print(f"rank {rank} PASS bandwidth {metrics}", flush=True)
+    say(f"rank {rank} PASS bandwidth {metrics}")
 
 
 def main():

@@ -15,6 +15,7 @@ from parallel.distributed import exit_process, init_distributed
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from parallel.transfer import transfer
+from tests.dist.report import say
 
 
 def tiny_qwen2() -> torch.nn.Module:
@@ -90,7 +91,7 @@ def check_sharded(rank, name, pool_spec, reference, ids):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
     for key, g in grads.items():
         torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{name} {key}: {m}")
-    print(f"rank {rank} PASS {name} loss={loss.item():.6f}", flush=True)
+    say(f"rank {rank} PASS {name} loss={loss.item():.6f}")
 
 
 def check_transfer(rank, split):
@@ -133,7 +134,7 @@ def check_transfer(rank, split):
     if a.has(rank):
         lo = 4 * a.dp_rank_of(rank)
         assert torch.equal(back["score"], torch.cat([s["score"] for s in shards])[lo : lo + 4])
-    print(f"rank {rank} PASS transfer", flush=True)
+    say(f"rank {rank} PASS transfer")
 
 
 def main():
@@ -141,7 +142,7 @@ def main():
     rank = info.rank
     assert info.world_size == 4, "run with --nproc_per_node 4"
     split = check_layouts(rank)
-    print(f"rank {rank} PASS layouts", flush=True)
+    say(f"rank {rank} PASS layouts")
 
     model = tiny_qwen2()
     ids = torch.randint(0, 96, (8, 12), generator=torch.Generator().manual_seed(1))
