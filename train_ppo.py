@@ -459,6 +459,7 @@ class PPOTrainer:
         """Load the newest readable checkpoint (checkpoint.resume); returns (its step, eval score before training),
         or (0, nan) for a fresh start. A corrupt checkpoint is skipped with a warning naming it."""
         for path in checkpoint.candidates(self.ckpt_root, self.cfg.checkpoint.resume):
+            began = time.perf_counter()
             try:
                 state, mine = checkpoint.load(path, self._trained_roles())
             except RuntimeError as e:
@@ -481,7 +482,7 @@ class PPOTrainer:
                             "resharded by DCP; per-rank random streams and replay buffers start afresh",
                             path, state["world_size"], self.layout.world_size)
             if self.rank == 0:
-                log.info("resumed from %s (step %d)", path, state["step"])
+                log.info("resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - began)
                 self.logger.truncate_after(state["step"])
             return state["step"], state["eval_before"]
         if self.cfg.checkpoint.resume not in ("auto", "never"):
