@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.comm import ReplicaAverager, register_compression
-from parallel.distributed import exit_process, init_distributed
-from tests.dist.report import say
+from parallel.distributed import init_distributed
+from tests.dist.report import run_worker, say
 
 TOPK_RATIO = 0.05
 # regression: the loss reached by top-k with error feedback may exceed the uncompressed one by this factor, and the
@@ -162,16 +162,7 @@ def main():
     check_bytes_and_values(info.rank, info.world_size)
     check_error_feedback(info.rank)
     check_averaging(info.rank)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        exit_process(1)
-    exit_process(0)
+    run_worker(main)

@@ -10,15 +10,14 @@ import copy
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from foundation import pools, tiny_qwen2  # tests/dist is the script's folder, so on sys.path
 
 from config import FSDPConfig
 from parallel.comm import CommTimer, GradCompression, allreduce_replicas, bandwidth_check, set_grad_sync, sync_now
-from parallel.distributed import exit_process, init_distributed
+from parallel.distributed import init_distributed
 from parallel.fsdp import fsdp_modules, shard_model
 from parallel.layout import build_layout
-from tests.dist.report import say
+from tests.dist.report import run_worker, say
 
 N_MICRO = 4
 
@@ -112,16 +111,7 @@ def main():
     check_grad_sync(info.rank, "hsdp", ("all", 4, ["actor"], 1, 2))
     check_replica_compression(info.rank)
     check_bandwidth(info.rank)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        exit_process(1)
-    exit_process(0)
+    run_worker(main)

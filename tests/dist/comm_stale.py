@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 
 import torch
 import torch.distributed as dist
@@ -19,11 +18,11 @@ from foundation import pools, tiny_qwen2
 
 from config import CommConfig, FSDPConfig
 from parallel.comm import GradCompression, StaleAllReduce, allreduce_replicas
-from parallel.distributed import exit_process, init_distributed
+from parallel.distributed import init_distributed
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from roles.modeling import ReplicaSync, grad_norm_and_clip
-from tests.dist.report import say
+from tests.dist.report import run_worker, say
 
 STEPS, NAN_STEP, FLUSH_STEP, LR = 150, 50, 75, 0.1
 SEEDS = (100, 200, 300)  # data streams: the spread of the synchronous loss over them is the yardstick
@@ -183,16 +182,7 @@ def main():
     assert info.world_size == 4, "run with --nproc_per_node 4"
     check_regression(info.rank)
     check_hsdp(info.rank)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        exit_process(1)
-    exit_process(0)
+    run_worker(main)

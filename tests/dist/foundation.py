@@ -4,18 +4,17 @@ unsharded model, and batch transfer between pools. Launched by tests/test_founda
 from __future__ import annotations
 
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from config import FSDPConfig, PoolConfig
-from parallel.distributed import exit_process, init_distributed
+from parallel.distributed import init_distributed
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from parallel.transfer import transfer
-from tests.dist.report import say
+from tests.dist.report import run_worker, say
 
 
 def tiny_qwen2() -> torch.nn.Module:
@@ -153,16 +152,7 @@ def main():
     check_sharded(rank, "2d", [("all", 4, ["actor"], 2, 1)], reference, ids)
     check_sharded(rank, "hsdp", [("all", 4, ["actor"], 1, 2)], reference, ids)
     check_transfer(rank, split)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        exit_process(1)
-    exit_process(0)
+    run_worker(main)
