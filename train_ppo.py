@@ -245,6 +245,9 @@ class PPOTrainer:
         if self.use_ref:
             kl_mat = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.kind) * mask
             m["actor/reward_kl"] = (kl_mat.sum() / mask.sum().clamp(min=1)).item()
+            # k3 is never negative, unlike k1 on a finite sample: what the KL guard rail compares with its limit
+            k3 = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], "k3") * mask
+            m["actor/ref_kl"] = (k3.sum() / mask.sum().clamp(min=1)).item()
         token_rewards = None
         if algo.adv_estimator in ("gae", "reinforce_pp"):
             if algo.kl.in_reward:
@@ -284,8 +287,9 @@ class PPOTrainer:
         batch = select(batch, keep.nonzero().squeeze(1))
         if f.pf_ppo != "off" and batch_size(batch):
             batch = select(batch, pf_ppo_resample(batch["scores"], f.pf_ppo, f.weight_pow, self.cpu_rng))
-        if self.replay is not None and batch_size(batch):
-            batch = self.replay.mix(batch)
+        if self.replay is not None:
+            if batch_size(batch):
+                batch = self.replay.mix(batch)
             m.update(self.replay.metrics())
         return batch, m
 
@@ -300,7 +304,10 @@ class PPOTrainer:
         g = self.cfg.algorithm.guard
         if g.kl_limit is None and g.var_limit is None:
             return
-        kl_now = metrics.get("actor/ppo_kl") if g.kl_limit is not None else None
+        # KL to the reference policy when there is one (what the rail is for); else the size of this update
+        kl_now = None
+        if g.kl_limit is not None:
+            kl_now = metrics.get("actor/ref_kl", abs(metrics.get("actor/ppo_kl", 0.0)))
         var_now = metrics.get("reward/score/var") if g.var_limit is not None else None
         # every actor rank must take the same decision: use the dp-averaged measurements
         group = self.pools["actor"].dp_group

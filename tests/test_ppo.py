@@ -139,3 +139,36 @@ def test_hsdp_with_int8_gradients_and_accumulated_sync(assets, tmp_path):
     for r in rows[1:]:
         assert r["comm/grad_bytes"] > 0 and r["comm/critic/grad_bytes"] > 0
         assert 0 < r["perf/comm_fraction"] < 1
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        # GRPO with every filter of the loop: thresholds, DAPO dynamic sampling and overlong penalty, PF-PPO
+        # resampling, the replay buffer, guard rails (limits low enough to fire)
+        {"adv_estimator": "grpo", "kl": {"in_reward": False, "in_loss": True},
+         "filters": {"min_reward": 0.0, "filter_ratio": 0.1, "dynamic_sampling": True, "pf_ppo": "pow",
+                     "overlong_buffer": 2, "overlong_penalty": 0.5},
+         "replay": {"enabled": True, "capacity": 64, "quality_threshold": 0.2, "mix_fraction": 0.25},
+         "guard": {"kl_limit": 1e-9, "var_limit": 1e-9}},
+        {"adv_estimator": "rloo", "kl": {"in_reward": False}},
+        {"adv_estimator": "reinforce_pp", "kl": {"in_reward": True, "controller": "adaptive", "target": 0.01}},
+    ],
+    ids=["grpo_filters", "rloo", "reinforce_pp"],
+)
+def test_estimators_and_filters_run(assets, tmp_path, algorithm):
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 3}, algorithm=algorithm)
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    last = rows[-1]
+    assert "critic/vf_loss" not in last
+    if algorithm["adv_estimator"] == "grpo":
+        assert "data/dropped_groups" in last and last["replay/size"] > 0
+        # the limits are tiny: the variance rail fires every step (min_reward + 0.1 each), the KL rail from step 2 on
+        # (at step 1 the policy is still the reference: KL exactly 0), backing the lr off by 0.9 each time
+        assert last["guard/min_reward"] == pytest.approx(0.3) and rows[1]["actor/ref_kl"] == 0.0, rows
+        assert last["guard/lr_scale"] == pytest.approx(0.9**2), rows
+    if algorithm["kl"].get("controller") == "adaptive":
+        assert rows[1]["actor/kl_coef"] != rows[3]["actor/kl_coef"]
