@@ -43,6 +43,7 @@ class RunConfig:
     eval_every: int = 0  # 0: evaluate only at the start and the end
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = True
+    prometheus_port: int | None = None  # rank 0 serves the step metrics at http://HOST:PORT/metrics
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -40,8 +41,9 @@ def memory_gb(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, prometheus_port: int | None = None):
         os.makedirs(run_dir, exist_ok=True)
+        self.prometheus = PrometheusGauges(prometheus_port) if prometheus_port is not None else None
         self.run_dir = run_dir
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.tb = None
@@ -59,6 +61,8 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.prometheus is not None:
+            self.prometheus.set({"step": step, **metrics})
 
     def truncate_after(self, step: int) -> None:
         """On resume from checkpoint `step`: forget what was logged after it, so every step appears once."""
@@ -96,6 +100,33 @@ class MetricsLogger:
                     disable=not sys.stderr.isatty())
 
     def close(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.close()
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+class PrometheusGauges:
+    """The latest value of every step metric as a Prometheus gauge, served over HTTP by prometheus_client:
+    `reward/score/mean` becomes `meshrl_reward_score_mean`; `meshrl_step` is the step they belong to."""
+
+    def __init__(self, port: int):
+        from prometheus_client import CollectorRegistry, start_http_server  # optional: only when a port is set
+
+        self.registry = CollectorRegistry()
+        self.server, _ = start_http_server(port, registry=self.registry)
+        self.gauges: dict = {}
+
+    def set(self, metrics: dict[str, float]) -> None:
+        from prometheus_client import Gauge
+
+        for key, value in metrics.items():
+            name = "meshrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            if name not in self.gauges:
+                self.gauges[name] = Gauge(name, f"meshrl metric {key}", registry=self.registry)
+            self.gauges[name].set(float(value) if value is not None else math.nan)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

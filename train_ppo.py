@@ -141,7 +141,7 @@ class PPOTrainer:
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.pending_save: checkpoint.PendingSave | None = None
         if self.rank == 0:
-            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard)
+            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
 
     # ------------------------------------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
