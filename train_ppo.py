@@ -46,7 +46,7 @@ from roles.actor import Actor
 from roles.critic import Critic
 from roles.modeling import all_reduce_sum
 from roles.reference import Reference
-from roles.reward import Reward
+from roles.reward import Reward, decode_responses
 from rollout.native import RolloutOutput, SamplingParams
 from tasks.data import PromptDataset, PromptSampler, load_prompt_records
 
@@ -349,9 +349,7 @@ class PPOTrainer:
             local["eval/accuracy"] = float(all_reduce_sum((s >= 1.0).float().sum(), group) / count)
             local["eval/response_length/mean"] = float(
                 all_reduce_sum(batch["response_len"].float().sum(), group) / count)
-            texts = self.tokenizer.batch_decode(
-                [r[:n] for r, n in zip(batch["response_ids"].tolist(), batch["response_len"].tolist())],
-                skip_special_tokens=True)
+            texts = decode_responses(self.tokenizer, batch)
             for i, text in enumerate(texts):
                 index = int(batch["prompt_index"][i])
                 samples.append((index, self.eval_set[index]["prompt_text"], text, float(s[i])))

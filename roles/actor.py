@@ -5,26 +5,22 @@ from __future__ import annotations
 
 import torch
 
-from algo.advantages import as_bool_mask
 from algo.losses import aggregate, entropy_from_logits, kl, logprobs_from_logits, policy_loss
-from batch import Batch, batch_size, select
-from parallel.comm import set_grad_sync, sync_now
+from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import (
     ReplicaSync,
     add_metric,
-    all_reduce_sum,
     at_response,
     forward,
-    grad_norm_and_clip,
     join_rows,
     load_causal_lm,
     lr_factor,
     make_optimizer,
     mean_metrics,
     micro_batches,
-    mini_batch_count,
+    train_mini_batches,
 )
 from rollout.native import NativeEngine, RolloutOutput, SamplingParams
 
@@ -72,68 +68,45 @@ class Actor:
         """PPO epochs x mini-batches x micro-batches on this rank's samples. Needs old_logprobs, advantages
         (and ref_logprobs when kl_loss_coef > 0). Losses are normalised by global counts over the dp group, so
         the update does not depend on how samples are split over micro-batches or ranks."""
-        cfg, group = self.cfg, self.pool.dp_group
-        dp = self.pool.dp_size
+        cfg = self.cfg
         lr = self.current_lr()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
-        sums: dict[str, float] = {}
-        n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
-        skipped = 0
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(batch_size(batch), generator=generator)
-            for chunk in torch.tensor_split(order, n_mini):
-                mini = select(batch, chunk.to(batch["response_mask"].device))
-                mask = as_bool_mask(mini["response_mask"], mini["response_mask"].shape)
-                tokens = all_reduce_sum(mask.sum(), group)
-                seqs = all_reduce_sum(mask.any(-1).sum(), group)
-                micro = micro_batches(mini, cfg.micro_batch_tokens, group)
-                mini_loss = 0.0
-                for i, mb in enumerate(micro):
-                    set_grad_sync(self.model, sync_now(i, len(micro), self.grad_sync_every))
-                    logits = at_response(forward(self.model, mb), mb)
-                    logp = logprobs_from_logits(logits, mb["response_ids"], temperature)
-                    m = mb["response_mask"]
-                    norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
-                    pg, metrics = policy_loss(
-                        logp, mb["old_logprobs"], mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-                        cfg.loss_agg, rollout_logprobs=mb.get("rollout_logprobs") if cfg.tis_cap else None,
-                        tis_cap=cfg.tis_cap, **norms,
-                    )
-                    with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                        ent = aggregate(entropy_from_logits(logits / temperature), m, cfg.loss_agg, **norms)
-                    loss = pg - cfg.entropy_coef * ent
-                    if kl_loss_coef > 0:
-                        kl_term = aggregate(kl(logp, mb["ref_logprobs"], kl_kind), m, cfg.loss_agg, **norms)
-                        loss = loss + kl_loss_coef * kl_term
-                        add_metric(sums, "actor/kl_loss", kl_term.item())
-                    # FSDP averages gradients over the dp ranks; the losses are already global sums
-                    (loss * dp).backward()
-                    mini_loss += loss.item()
-                    add_metric(sums, "actor/pg_loss", pg.item())
-                    add_metric(sums, "actor/entropy", ent.item())
-                    for k, v in metrics.items():
-                        add_metric(sums, f"actor/{k}", float(v))
-                self.replicas.after_backward(self.model)
-                norm = grad_norm_and_clip(self.model, cfg.optim.grad_clip)
-                if torch.isfinite(norm):
-                    self.optimizer.step()
-                    self.skips_in_a_row = 0
-                else:
-                    skipped += 1
-                    self.skips_in_a_row += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                add_metric(sums, "actor/grad_norm", norm.item())
-                for k, v in self.replicas.after_step(self.model, mini_loss).items():
-                    add_metric(sums, k, v)
+        sums: dict[str, tuple[float, float]] = {}
+
+        def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+            logits = at_response(forward(self.model, mb), mb)
+            logp = logprobs_from_logits(logits, mb["response_ids"], temperature)
+            m = mb["response_mask"]
+            norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
+            pg, metrics = policy_loss(
+                logp, mb["old_logprobs"], mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                cfg.loss_agg, rollout_logprobs=mb.get("rollout_logprobs") if cfg.tis_cap else None,
+                tis_cap=cfg.tis_cap, **norms,
+            )
+            with torch.set_grad_enabled(cfg.entropy_coef > 0):
+                ent = aggregate(entropy_from_logits(logits / temperature), m, cfg.loss_agg, **norms)
+            loss = pg - cfg.entropy_coef * ent
+            if kl_loss_coef > 0:
+                kl_term = aggregate(kl(logp, mb["ref_logprobs"], kl_kind), m, cfg.loss_agg, **norms)
+                loss = loss + kl_loss_coef * kl_term
+                add_metric(sums, "actor/kl_loss", kl_term.item())
+            add_metric(sums, "actor/pg_loss", pg.item())
+            add_metric(sums, "actor/entropy", ent.item())
+            for k, v in metrics.items():
+                add_metric(sums, f"actor/{k}", float(v))
+            return loss
+
+        taken = train_mini_batches(self.model, self.optimizer, self.replicas, batch, cfg, self.pool,
+                                   self.grad_sync_every, generator, micro_loss, sums, "actor")
+        for ok in taken:
+            self.skips_in_a_row = 0 if ok else self.skips_in_a_row + 1
         self.step_count += 1
         out = mean_metrics(sums)
         # pg_loss / entropy are per-micro-batch parts of a global mean: their sum per mini-batch is the loss
-        n_updates = cfg.ppo_epochs * n_mini
         for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
             if k in sums:
-                out[k] = sums[k][0] / n_updates
-        out.update({"actor/lr": lr, "actor/skipped_steps": float(skipped)})
+                out[k] = sums[k][0] / len(taken)
+        out.update({"actor/lr": lr, "actor/skipped_steps": float(taken.count(False))})
         return out
-

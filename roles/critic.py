@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from algo.advantages import as_bool_mask
 from algo.losses import value_loss
-from batch import Batch, batch_size, select
-from parallel.comm import set_grad_sync, sync_now
+from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import (
     ReplicaSync,
     add_metric,
-    all_reduce_sum,
     at_response,
     forward,
-    grad_norm_and_clip,
     join_rows,
     load_value_model,
     lr_factor,
     make_optimizer,
     mean_metrics,
     micro_batches,
-    mini_batch_count,
+    train_mini_batches,
 )
 
 
@@ -51,35 +47,24 @@ class Critic:
 
     def update(self, batch: Batch, generator: torch.Generator | None = None) -> dict[str, float]:
         """Clipped value loss on `returns`, around the rollout-time `values`."""
-        cfg, group = self.cfg, self.pool.dp_group
+        cfg = self.cfg
         lr = cfg.optim.lr * lr_factor(self.step_count, cfg.optim, self.total_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
         sums: dict[str, tuple[float, float]] = {}
-        n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(batch_size(batch), generator=generator)
-            for chunk in torch.tensor_split(order, n_mini):
-                mini = select(batch, chunk.to(batch["response_mask"].device))
-                tokens = all_reduce_sum(as_bool_mask(mini["response_mask"], mini["response_mask"].shape).sum(), group)
-                loss_sum = 0.0
-                micro = micro_batches(mini, cfg.micro_batch_tokens, group)
-                for i, mb in enumerate(micro):
-                    set_grad_sync(self.model, sync_now(i, len(micro), self.grad_sync_every))
-                    loss, metrics = value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
-                                               cfg.value_clip, global_tokens=tokens)
-                    (loss * self.pool.dp_size).backward()
-                    loss_sum += loss.item()
-                    add_metric(sums, "critic/vf_clipfrac", float(metrics["vf_clipfrac"]))
-                add_metric(sums, "critic/vf_loss", loss_sum)
-                self.replicas.after_backward(self.model)
-                norm = grad_norm_and_clip(self.model, cfg.optim.grad_clip)
-                if torch.isfinite(norm):
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                add_metric(sums, "critic/grad_norm", norm.item())
-                for k, v in self.replicas.after_step(self.model, loss_sum).items():
-                    add_metric(sums, k.replace("comm/", "comm/critic/"), v)
+
+        def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+            loss, metrics = value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
+                                       cfg.value_clip, global_tokens=tokens)
+            add_metric(sums, "critic/vf_loss", loss.item())
+            add_metric(sums, "critic/vf_clipfrac", float(metrics["vf_clipfrac"]))
+            return loss
+
+        taken = train_mini_batches(self.model, self.optimizer, self.replicas, batch, cfg, self.pool,
+                                   self.grad_sync_every, generator, micro_loss, sums, "critic", "comm/critic/")
         self.step_count += 1
-        return {**mean_metrics(sums), "critic/lr": lr}
+        out = mean_metrics(sums)
+        # vf_loss is per-micro-batch parts of a global mean: their sum per mini-batch is the loss
+        out["critic/vf_loss"] = sums["critic/vf_loss"][0] / len(taken)
+        return {**out, "critic/lr": lr}

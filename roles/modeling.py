@@ -16,7 +16,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from algo.advantages import as_bool_mask
 from batch import Batch, batch_size, select
-from parallel.comm import GradCompression, ReplicaAverager, StaleAllReduce, allreduce_replicas
+from parallel.comm import (
+    GradCompression,
+    ReplicaAverager,
+    StaleAllReduce,
+    allreduce_replicas,
+    set_grad_sync,
+    sync_now,
+)
 from parallel.distributed import comm_device
 from parallel.transfer import balanced_bounds
 
@@ -241,3 +248,46 @@ class ReplicaSync:
         before the process group goes away."""
         if self.stale is not None:
             self.stale.flush()
+
+
+def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, replicas: ReplicaSync, batch: Batch,
+                       cfg, pool, grad_sync_every: int, generator: torch.Generator | None, micro_loss,
+                       sums: dict, prefix: str, comm_prefix: str = "comm/") -> list[bool]:
+    """The update loop the actor and critic share: `cfg.ppo_epochs` x mini-batches (the same count on every dp
+    rank) x token-budget micro-batches, one optimizer step per mini-batch.
+
+    micro_loss(mb, tokens, seqs) returns a micro-batch's loss, normalised by the mini-batch's global counts of
+    response tokens and sequences over the dp group (so micro-batch losses add up to the mini-batch's), and records
+    its own metrics. Gradients are reduced every `grad_sync_every` micro-batches, joined across replicas by
+    `replicas`, clipped to cfg.optim.grad_clip; a non-finite norm skips the step. Records `<prefix>/grad_norm` and
+    the replicas' metrics (comm/ renamed to `comm_prefix`). Returns, per optimizer step, whether it was taken.
+    cfg: config.ActorConfig or config.CriticConfig.
+    """
+    group = pool.dp_group
+    n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
+    taken = []
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(batch_size(batch), generator=generator)
+        for chunk in torch.tensor_split(order, n_mini):
+            mini = select(batch, chunk.to(batch["response_mask"].device))
+            mask = as_bool_mask(mini["response_mask"], mini["response_mask"].shape)
+            tokens = all_reduce_sum(mask.sum(), group)
+            seqs = all_reduce_sum(mask.any(-1).sum(), group)
+            micro = micro_batches(mini, cfg.micro_batch_tokens, group)
+            mini_loss = 0.0
+            for i, mb in enumerate(micro):
+                set_grad_sync(model, sync_now(i, len(micro), grad_sync_every))
+                loss = micro_loss(mb, tokens, seqs)
+                # FSDP averages gradients over the dp ranks; the losses are already global sums
+                (loss * pool.dp_size).backward()
+                mini_loss += loss.item()
+            replicas.after_backward(model)
+            norm = grad_norm_and_clip(model, cfg.optim.grad_clip)
+            taken.append(bool(torch.isfinite(norm)))
+            if taken[-1]:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            add_metric(sums, f"{prefix}/grad_norm", norm.item())
+            for k, v in replicas.after_step(model, mini_loss).items():
+                add_metric(sums, k.replace("comm/", comm_prefix), v)
+    return taken

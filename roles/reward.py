@@ -11,6 +11,12 @@ from roles.modeling import forward, load_value_model, micro_batches, seq_len
 from tasks.rewards import RewardFunctionRunner
 
 
+def decode_responses(tokenizer, batch: Batch) -> list[str]:
+    """The response text of every sample (special tokens dropped)."""
+    ids, lens = batch["response_ids"].tolist(), batch["response_len"].tolist()
+    return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
+
+
 class Reward:
     def __init__(self, cfg, pool: Pool, device: torch.device, tokenizer, micro_batch_tokens: int,
                  trust_remote_code: bool = False):
@@ -33,10 +39,6 @@ class Reward:
         for runner, _, _ in self.functions:
             runner.close()
 
-    def decode_responses(self, batch: Batch) -> list[str]:
-        ids, lens = batch["response_ids"].tolist(), batch["response_len"].tolist()
-        return self.tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
-
     @torch.no_grad()
     def scores(self, batch: Batch, records: list[dict]) -> tuple[torch.Tensor, dict[str, float], list[str]]:
         """Scores [B] (float32): model_weight x the model's score at the last token + sum of weight x function.
@@ -45,7 +47,7 @@ class Reward:
         device = batch["response_ids"].device
         total = torch.zeros(n, dtype=torch.float32, device=device)
         metrics: dict[str, float] = {}
-        texts = self.decode_responses(batch)
+        texts = decode_responses(self.tokenizer, batch)
         if self.model is not None:
             parts = []
             for mb in micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group):
