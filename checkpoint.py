@@ -2,8 +2,10 @@
 
     <run_dir>/checkpoints/step_00000040/
         actor/   critic/          DCP folders (model + optimizer), written by each role's pool, sharded
-        rank_00003.pt             per-rank state: RNG streams, replay buffer
-        trainer.pt                rank 0: step, data position, KL controller, guard rails, role counters
+        rank_00003.pt             per-rank state: RNG streams, replay buffer, gradient-communication state (stale
+                                  all-reduce average, top-k error feedback, parameter-averaging period)
+        trainer.pt                rank 0: step, data position, config, and each role's counters from a rank hosting
+                                  it (the actor's: update count, LR back-off, skipped steps, KL controller, guard)
     <run_dir>/checkpoints/latest  the name of the newest complete checkpoint (written last)
 
 A checkpoint is written into `step_N.tmp` and renamed when every rank has finished, so a folder without `.tmp`
@@ -165,3 +167,28 @@ def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     for k, g in generators.items():
         g.set_state(state[k])
+
+
+def gather_role_state(local: dict[str, dict]) -> dict[str, dict]:
+    """{role: state} from the ranks hosting each role (every rank calls): the trainer-wide file is written by rank 0,
+    which need not host the actor."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def resume(root: str, resume_mode: str, roles: dict) -> tuple[str, dict, dict | None] | None:
+    """The newest readable checkpoint for `checkpoint.resume` (auto / never / a folder), loaded into `roles`:
+    (its path, trainer state, this rank's state or None), or None for a fresh start. A corrupt checkpoint is
+    skipped with a warning naming it; an explicit folder that cannot be read raises ValueError."""
+    for path in candidates(root, resume_mode):
+        try:
+            state, mine = load(path, roles)
+        except RuntimeError as e:
+            if dist.get_rank() == 0:
+                log.warning("checkpoint %s could not be read (%s); trying the one before", path, e)
+            continue
+        return path, state, mine
+    if resume_mode not in ("auto", "never"):
+        raise ValueError(f"checkpoint.resume={resume_mode!r}: could not be read")
+    return None

@@ -132,15 +132,21 @@ class RolloutConfig:
     compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
 
 
+KL_KIND = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
+
+
 @dataclass
 class KLConfig:
-    in_reward: bool = True  # PPO (Ziegler/InstructGPT): token_reward = score at the end - coef * kl
-    in_loss: bool = False  # GRPO: loss += coef * kl(pi, ref)
-    kind: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "k1"
+    # in the reward: GAE / REINFORCE++ token_reward = score at the end - coef * kl_t (Ziegler/InstructGPT);
+    # GRPO / RLOO sequence reward = score - coef * sum_t kl_t, before the group baseline
+    in_reward: bool = True
+    in_loss: bool = False  # GRPO (DeepSeekMath): loss += coef * kl(pi, ref)
+    reward_kind: KL_KIND = "k1"  # estimator in the reward: k1 is unbiased for the KL value
+    loss_kind: KL_KIND = "low_var_kl"  # estimator in the loss: k2 or k3 / low_var_kl (k1 and abs have no gradient)
     coef: float = 0.05
     controller: Literal["fixed", "adaptive"] = "fixed"
-    target: float = 6.0
-    horizon: int = 10000
+    target: float = 0.1  # adaptive: per-token mean KL (nats per response token) the coefficient steers towards
+    horizon: int = 10000  # adaptive: in samples
 
 
 @dataclass
@@ -265,7 +271,7 @@ class QuickstartConfig:
 
 @dataclass
 class CommConfig:
-    """NCCL environment, start-up checks and gradient-communication options (parallel/comm.py)."""
+    """NCCL environment, start-up checks and gradient-communication options (parallel/comm/)."""
 
     nccl_ib_disable: bool | None = None  # None: leave NCCL_IB_DISABLE as the environment has it
     nccl_socket_ifname: str | None = None
@@ -390,6 +396,13 @@ def _apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
 
 
+# keys that existed once, with what replaced them
+RENAMED = {
+    "algorithm.kl.kind": "it was split in two: algorithm.kl.reward_kind (the estimator in the reward, default k1) and "
+                         "algorithm.kl.loss_kind (in the loss, default low_var_kl)",
+}
+
+
 def build(cls, raw, prefix: str):
     """Build dataclass `cls` from a mapping, checking unknown keys (with a suggestion) and types."""
     if not isinstance(raw, dict):
@@ -399,6 +412,8 @@ def build(cls, raw, prefix: str):
     kwargs = {}
     for key, value in raw.items():
         where = f"{prefix}{key}"
+        if where in RENAMED:
+            raise ConfigError(f"{where} is no longer a key: {RENAMED[where]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys here: {', '.join(names)}"
@@ -515,13 +530,18 @@ def check_ppo(cfg: Config, world_size: int) -> None:
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
                           "compares the samples of a prompt; set rollout.n >= 2")
-    for key, value, low in (("data.batch_size", cfg.data.batch_size, 1), ("rollout.n", cfg.rollout.n, 1),
-                            ("rollout.max_new_tokens", cfg.rollout.max_new_tokens, 1),
-                            ("actor.ppo_epochs", cfg.actor.ppo_epochs, 1), ("run.total_steps", cfg.run.total_steps, 0)):
-        if value < low:
-            raise ConfigError(f"{key}={value}: must be >= {low}")
-    if not 0 <= cfg.algorithm.filters.filter_ratio < 1:
-        raise ConfigError(f"algorithm.filters.filter_ratio={cfg.algorithm.filters.filter_ratio}: must be in [0, 1)")
+    check_ranges(cfg, PPO_RANGES)
+    kl = cfg.algorithm.kl
+    if kl.loss_kind in ("k1", "abs"):
+        raise ConfigError(f"algorithm.kl.loss_kind={kl.loss_kind}: as a loss term this estimator has no useful "
+                          "gradient (k1's expected gradient is 0); use low_var_kl (k3, the default) or k2")
+    if cfg.algorithm.filters.dynamic_sampling and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.filters.dynamic_sampling=true with rollout.n={cfg.rollout.n}: it drops groups "
+                          "whose samples all score the same, i.e. every group of one; set rollout.n >= 2")
+    buffer = cfg.algorithm.filters.overlong_buffer
+    if buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.filters.overlong_buffer={buffer}: must be <= rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (the penalty ramps over the last N tokens of a response)")
     if cfg.algorithm.kl.in_reward and cfg.algorithm.kl.in_loss:
         raise ConfigError("algorithm.kl.in_reward and algorithm.kl.in_loss are both true; choose one")
     if cfg.reward.model_path is None and not cfg.reward.functions:
@@ -535,6 +555,64 @@ def check_ppo(cfg: Config, world_size: int) -> None:
         for key, path in (("data.train_path", cfg.data.train_path), ("model.path", cfg.model.path)):
             if not path or not os.path.exists(path):
                 raise ConfigError(f"{key}={path!r}: not found")
+
+
+# Numeric keys and their valid intervals, checked before anything starts (None values are "off" and skipped).
+PPO_RANGES = (
+    ("run.total_steps", "[0, inf)"), ("run.log_every", "[1, inf)"), ("run.eval_every", "[0, inf)"),
+    ("run.epochs", "[1, inf)"), ("distributed.timeout_s", "[1, inf)"),
+    ("data.batch_size", "[1, inf)"), ("data.max_prompt_len", "[1, inf)"), ("data.eval_size", "[0, inf)"),
+    ("rollout.n", "[1, inf)"), ("rollout.max_new_tokens", "[1, inf)"), ("rollout.temperature", "(0, inf)"),
+    ("rollout.top_p", "(0, 1]"), ("rollout.top_k", "[0, inf)"), ("rollout.eval_temperature", "[0, inf)"),
+    ("rollout.eval_n", "[1, inf)"), ("rollout.max_num_seqs", "[1, inf)"), ("rollout.kv_cache_tokens", "[1, inf)"),
+    ("rollout.gpu_memory_utilization", "(0, 1]"), ("rollout.max_prefill_tokens", "[1, inf)"),
+    ("algorithm.gamma", "[0, 1]"), ("algorithm.lam", "[0, 1]"),
+    ("algorithm.kl.coef", "[0, inf)"), ("algorithm.kl.target", "(0, inf)"), ("algorithm.kl.horizon", "[1, inf)"),
+    ("algorithm.filters.filter_ratio", "[0, 1)"), ("algorithm.filters.weight_pow", "[0, inf)"),
+    ("algorithm.filters.overlong_buffer", "[0, inf)"), ("algorithm.filters.overlong_penalty", "[0, inf)"),
+    ("algorithm.replay.capacity", "[1, inf)"), ("algorithm.replay.mix_fraction", "[0, 1]"),
+    ("algorithm.guard.kl_limit", "(0, inf)"), ("algorithm.guard.var_limit", "(0, inf)"),
+    ("actor.ppo_epochs", "[1, inf)"), ("actor.mini_batch_size", "[0, inf)"), ("actor.micro_batch_tokens", "[1, inf)"),
+    ("actor.clip_low", "[0, 1)"), ("actor.clip_high", "[0, inf)"), ("actor.dual_clip", "(1, inf)"),
+    ("actor.entropy_coef", "[0, inf)"), ("actor.tis_cap", "(0, inf)"),
+    ("critic.ppo_epochs", "[1, inf)"), ("critic.mini_batch_size", "[0, inf)"),
+    ("critic.micro_batch_tokens", "[1, inf)"), ("critic.value_clip", "(0, inf)"),
+    *((f"{role}.optim.{key}", interval) for role in ("actor", "critic") for key, interval in (
+        ("lr", "[0, inf)"), ("weight_decay", "[0, inf)"), ("eps", "(0, inf)"), ("warmup_steps", "[0, inf)"),
+        ("min_lr_ratio", "[0, 1]"), ("grad_clip", "[0, inf)"))),
+    ("reward.num_workers", "[1, inf)"), ("reward.timeout_s", "(0, inf)"),
+    ("checkpoint.save_every", "[0, inf)"), ("checkpoint.keep_last", "[1, inf)"),
+    ("checkpoint.max_skipped_steps", "[1, inf)"),
+)
+
+
+RANGE_HINTS = {
+    "rollout.temperature": "PPO samples from the policy and its log-probs divide by it; greedy decoding is for "
+                           "evaluation: rollout.eval_temperature=0",
+    "rollout.top_p": "1 keeps the whole distribution",
+    "actor.dual_clip": "leave it unset (null) to turn dual clipping off",
+}
+
+
+def check_ranges(cfg: Config, ranges) -> None:
+    """ConfigError for the first key whose value lies outside its interval ("[a, b)" etc.; inf for no bound)."""
+    for key, interval in ranges:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        lo_text, hi_text = interval[1:-1].split(", ")
+        lo, hi = float(lo_text), float(hi_text)
+        above = value >= lo if interval[0] == "[" else value > lo
+        below = value <= hi if interval[-1] == "]" else value < hi
+        if not (above and below and value == value):  # value == value rejects NaN
+            hint = f" ({RANGE_HINTS[key]})" if key in RANGE_HINTS else ""
+            raise ConfigError(f"{key}={value}: must be in {interval}{hint}")
+    for role in ("actor", "critic"):
+        betas = getattr(cfg, role).optim.betas
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(f"{role}.optim.betas={betas}: expected two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
 def check_sft(cfg: Config, world_size: int) -> None:

@@ -10,10 +10,21 @@ import re
 import resource
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+
+def quiet_libraries() -> None:
+    """Keep the console to our own lines: no per-model load reports or progress bars from transformers, and no
+    FSDP2 warning about view outputs (the roles never modify model outputs in place)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
 def gather_metrics(local: dict[str, float]) -> dict[str, float]:
@@ -29,8 +40,9 @@ def gather_metrics(local: dict[str, float]) -> dict[str, float]:
     return {k: (sum(v) if k.startswith(SUMMED) else sum(v) / len(v)) for k, v in sorted(sums.items())}
 
 
-# counters add up over ranks; everything else is a mean
-SUMMED = ("reward_fn/errors", "reward_fn/timeouts", "data/dropped_groups")
+# counters add up over ranks (each counted by one rank: tp peers do not repeat them); everything else is a mean,
+# and the step's statistics are already global (the same on every rank that reports them)
+SUMMED = ("reward_fn/errors", "reward_fn/timeouts")
 
 
 def memory_gb(device: torch.device) -> float:

@@ -15,31 +15,22 @@ import os
 import signal
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import transformers
 import yaml
 from transformers import AutoTokenizer
 
 import checkpoint
 import config as C
-from algo import advantages as A
 from algo.controller import GuardRails
-from algo.filters import (
-    ReplayBuffer,
-    dynamic_sampling_keep,
-    overlong_penalty,
-    pf_ppo_resample,
-    reward_threshold_mask,
-)
-from algo.kl_control import kl_in_reward, make_kl_controller
-from algo.losses import kl as kl_estimate
-from batch import Batch, batch_size, select
-from monitor import MetricsLogger, gather_metrics, memory_gb
+from algo.filters import ReplayBuffer
+from algo.kl_control import make_kl_controller
+from algo.pipeline import prepare_batch
+from batch import Batch
+from monitor import MetricsLogger, gather_metrics, memory_gb, quiet_libraries
 from parallel import comm
-from parallel.distributed import comm_device, env_world, exit_process, init_distributed, shutdown
+from parallel.distributed import env_world, exit_process, init_distributed, reducer, shutdown
 from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
 from roles.actor import Actor
@@ -47,6 +38,7 @@ from roles.critic import Critic
 from roles.modeling import all_reduce_sum
 from roles.reference import Reference
 from roles.reward import Reward, decode_responses
+from rollout.api import stop_token_ids
 from rollout.native import RolloutOutput, SamplingParams
 from tasks.data import PromptDataset, PromptSampler, load_prompt_records
 
@@ -118,11 +110,12 @@ class PPOTrainer:
         self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
                              trust) if hosts("reward") else None
 
-        stops = tuple(sorted({*cfg.rollout.stop_token_ids, self.tokenizer.eos_token_id} - {None}))
+        stops = stop_token_ids(path, self.tokenizer, cfg.rollout.stop_token_ids, trust)
         r = cfg.rollout
         self.train_params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, stops)
         self.eval_params = SamplingParams(r.max_new_tokens, r.eval_temperature, 1.0, 0, r.eval_n, stops)
         self.kl_ctl = make_kl_controller(algo.kl.controller, algo.kl.coef, algo.kl.target, algo.kl.horizon)
+        self.dp_reduce = reducer(self.pools["actor"].dp_group)  # statistics over the whole batch, on actor ranks
         self.guard = GuardRails(algo.guard.kl_limit, algo.guard.var_limit)
         rp = algo.replay
         self.replay = ReplayBuffer(rp.capacity, rp.quality_threshold, rp.mix_fraction, rp.unit, cfg.run.seed) \
@@ -153,10 +146,11 @@ class PPOTrainer:
         indices = self.sampler.next_batch()  # the same global list on every rank
 
         # 1. rollout on the actor pool, each dp rank its share of the prompts
-        batch = None
+        batch, rows = None, None
         if self.actor is not None:
             with t("gen"):
                 batch = self._generate(self.train_set, indices, self.train_params)
+            rows = batch["input_ids"].shape[0]
             times["timing_s/reshard"] = self.actor.engine.stats.get("reshard_s", 0.0)
             tokens = (batch["prompt_len"] + batch["response_len"]).sum()
             metrics["perf/total_tokens"] = float(all_reduce_sum(tokens, P["actor"].dp_group))
@@ -186,19 +180,22 @@ class PPOTrainer:
                 batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
             # the engine's and the trainer's log-probs of the same tokens: ~0 in float32, larger in bf16
             gap = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * batch["response_mask"]
-            metrics["rollout/logprob_diff_max"] = gap.max().item() if gap.numel() else 0.0
+            metrics["rollout/logprob_diff_max"] = float(self.dp_reduce(gap.max() if gap.numel() else
+                                                                       gap.new_zeros(()), "max"))
         with t("transfer"), self.comm_timer.span():
             for got, role, on in ((ref, "reference", self.use_ref), (values, "critic", self.use_critic),
                                   (scores, "reward", True)):
                 if on:
-                    back = transfer(got, P[role], P["actor"], self.layout, self.device)
+                    back = transfer(got, P[role], P["actor"], self.layout, self.device, want=rows)
                     if batch is not None:
                         batch.update(back)
 
-        # 4. on the actor pool: filters, KL shaping, advantages
+        # 4. on the actor pool: filters, KL, advantages, resampling, replay (algo/pipeline.py has the order)
         if self.actor is not None:
             with t("adv"):
-                batch, adv_metrics = self._advantages(batch)
+                batch, adv_metrics = prepare_batch(
+                    batch, algo, self.kl_ctl, group_size=cfg.rollout.n, max_response_len=cfg.rollout.max_new_tokens,
+                    min_reward=self._min_reward(), replay=self.replay, generator=self.cpu_rng, reduce=self.dp_reduce)
             metrics.update(adv_metrics)
 
         # 5. updates: the critic's batch carries the returns to its pool
@@ -209,9 +206,9 @@ class PPOTrainer:
             with t("update_critic"):
                 metrics.update(self.critic.update(critic_batch, self.cpu_rng))
         if self.actor is not None:
-            kl_loss = self.kl_ctl.value if algo.kl.in_loss else 0.0
+            kl_loss = metrics.get("actor/kl_coef", 0.0) if algo.kl.in_loss else 0.0
             with t("update_actor"):
-                metrics.update(self.actor.update(batch, cfg.rollout.temperature, kl_loss, algo.kl.kind,
+                metrics.update(self.actor.update(batch, cfg.rollout.temperature, kl_loss, algo.kl.loss_kind,
                                                  cfg.rollout.max_new_tokens, self.cpu_rng))
             self._guard_rails(metrics)
         metrics.update(times)
@@ -224,75 +221,6 @@ class PPOTrainer:
         out = self.actor.generate(prompts, params, self.gen_rng)
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
 
-    def _advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        cfg, algo, f = self.cfg, self.cfg.algorithm, self.cfg.algorithm.filters
-        group = self.pools["actor"].dp_group
-        mask = batch["response_mask"]
-        m: dict[str, float] = {}
-        raw = batch["scores"]
-        m.update(_stats("reward/score", raw))
-        m["response_length/mean"] = batch["response_len"].float().mean().item()
-        m["response_length/clip_ratio"] = (batch["response_len"] >= cfg.rollout.max_new_tokens).float().mean().item()
-        scores = raw.clone()
-        if f.overlong_buffer:
-            scores = scores + overlong_penalty(batch["response_len"], cfg.rollout.max_new_tokens, f.overlong_buffer,
-                                               f.overlong_penalty)
-        m["reward/score/var"] = scores.var().item() if scores.numel() > 1 else 0.0
-        n = cfg.rollout.n
-
-        # advantages on whole groups, before anything is dropped
-        kl_mat = None
-        if self.use_ref:
-            kl_mat = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.kind) * mask
-            m["actor/reward_kl"] = (kl_mat.sum() / mask.sum().clamp(min=1)).item()
-            # k3 is never negative, unlike k1 on a finite sample: what the KL guard rail compares with its limit
-            k3 = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], "k3") * mask
-            m["actor/ref_kl"] = (k3.sum() / mask.sum().clamp(min=1)).item()
-        token_rewards = None
-        if algo.adv_estimator in ("gae", "reinforce_pp"):
-            if algo.kl.in_reward:
-                token_rewards, _ = kl_in_reward(scores, batch["old_logprobs"], batch["ref_logprobs"], mask,
-                                                self.kl_ctl.value, algo.kl.kind)
-            else:
-                token_rewards, _ = kl_in_reward(scores, batch["old_logprobs"], batch["old_logprobs"], mask, 0.0)
-        if algo.adv_estimator == "gae":
-            adv, ret = A.gae(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
-            if algo.whiten_advantages:
-                adv = global_whiten(adv, mask, group)
-            batch["returns"] = ret
-            m["critic/vf_explained_var"] = explained_variance(batch["values"], ret, mask)
-            m.update(_stats("critic/values", batch["values"][mask.bool()]))
-        elif algo.adv_estimator == "reinforce_pp":
-            adv, ret = A.reinforce_pp(token_rewards, mask, algo.gamma)
-            batch["returns"] = ret
-        elif algo.adv_estimator == "grpo":
-            adv = A.grpo(scores, n, mask, norm_by_std=algo.norm_by_std)
-        else:
-            adv = A.rloo(scores, n, mask)
-        batch["advantages"] = adv
-        if kl_mat is not None and algo.kl.in_reward:
-            self.kl_ctl.update(float(all_reduce_sum(kl_mat.sum(), group) / all_reduce_sum(mask.sum(), group)),
-                               cfg.data.batch_size * n)
-        m["actor/kl_coef"] = self.kl_ctl.value
-
-        # threshold filters, DAPO dynamic sampling, PF-PPO resampling, replay
-        keep = reward_threshold_mask(scores, self._min_reward(), f.filter_ratio)
-        if f.dynamic_sampling:
-            groups_keep, dropped = dynamic_sampling_keep(scores, n)
-            keep &= groups_keep
-            m["data/dropped_groups"] = float(dropped)
-        m["data/kept_fraction"] = keep.float().mean().item()
-        if self.replay is not None:
-            self.replay.add({k: v for k, v in batch.items()}, scores)
-        batch = select(batch, keep.nonzero().squeeze(1))
-        if f.pf_ppo != "off" and batch_size(batch):
-            batch = select(batch, pf_ppo_resample(batch["scores"], f.pf_ppo, f.weight_pow, self.cpu_rng))
-        if self.replay is not None:
-            if batch_size(batch):
-                batch = self.replay.mix(batch)
-            m.update(self.replay.metrics())
-        return batch, m
-
     def _min_reward(self) -> float | None:
         base = self.cfg.algorithm.filters.min_reward
         raise_by = self.guard.metrics()["guard/min_reward"]
@@ -304,19 +232,13 @@ class PPOTrainer:
         g = self.cfg.algorithm.guard
         if g.kl_limit is None and g.var_limit is None:
             return
-        # KL to the reference policy when there is one (what the rail is for); else the size of this update
+        # KL to the reference policy when there is one (what the rail is for); else the size of this update.
+        # Both are statistics of the whole batch, the same on every actor rank: every rank takes the same decision.
         kl_now = None
         if g.kl_limit is not None:
             kl_now = metrics.get("actor/ref_kl", abs(metrics.get("actor/ppo_kl", 0.0)))
         var_now = metrics.get("reward/score/var") if g.var_limit is not None else None
-        # every actor rank must take the same decision: use the dp-averaged measurements
-        group = self.pools["actor"].dp_group
-        size = dist.get_world_size(group)
-        vals = torch.tensor([kl_now or 0.0, var_now or 0.0], device=comm_device(group))
-        dist.all_reduce(vals, group=group)
-        vals /= size
-        events = self.guard.step(float(vals[0]) if kl_now is not None else None,
-                                 float(vals[1]) if var_now is not None else None)
+        events = self.guard.step(kl_now, var_now)
         self.actor.lr_scale = self.guard.metrics()["guard/lr_scale"]
         for e in events:
             log.info("guard rail: %s", e)
@@ -338,7 +260,9 @@ class PPOTrainer:
         if self.reward is not None:
             s, _, _ = self.reward.scores(to_reward, self.eval_set.items)
             scores = {"scores": s}
-        back = transfer(scores, P["reward"], P["actor"], self.layout, self.device)
+        # the prompts were dealt round-robin, so the actor ranks' shares differ by one: each asks for its own back
+        rows = batch["input_ids"].shape[0] if batch is not None else None
+        back = transfer(scores, P["reward"], P["actor"], self.layout, self.device, want=rows)
         local: dict[str, float] = {}
         samples = []
         if self.actor is not None:
@@ -426,26 +350,23 @@ class PPOTrainer:
 
     def _save(self, step: int, before: float) -> None:
         began = time.perf_counter()
-        counters = {}
-        if self.actor is not None:
-            counters["actor"] = {"step_count": self.actor.step_count, "lr_scale": self.actor.lr_scale}
+        local = {}
+        if self.actor is not None:  # the controllers' state lives where the actor's step updates it
+            local["actor"] = {"step_count": self.actor.step_count, "lr_scale": self.actor.lr_scale,
+                              "skips_in_a_row": self.actor.skips_in_a_row, "kl_ctl": self.kl_ctl.state_dict(),
+                              "guard": self.guard.state_dict()}
         if self.critic is not None:
-            counters["critic"] = {"step_count": self.critic.step_count}
-        everyone: list = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, counters)
-        roles = {k: v for c in everyone for k, v in c.items()}
+            local["critic"] = {"step_count": self.critic.step_count}
         trainer_state = {
-            "step": step, "world_size": self.layout.world_size, "eval_before": before, "roles": roles,
-            "sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(), "guard": self.guard.state_dict(),
+            "step": step, "world_size": self.layout.world_size, "eval_before": before,
+            "roles": checkpoint.gather_role_state(local), "sampler": self.sampler.state_dict(),
             "config": yaml.safe_dump(C.to_dict(self.cfg)),  # what scripts/export_hf.py needs to rebuild the model
         }
-        rank_state = {"rng": checkpoint.rng_state({"gen": self.gen_rng, "cpu": self.cpu_rng})}
+        rank_state = {"rng": checkpoint.rng_state({"gen": self.gen_rng, "cpu": self.cpu_rng}),
+                      "comm": {name: role.replicas.state_dict() for name, role in self._trainers().items()}}
         if self.replay is not None:
             rank_state["replay"] = self.replay.state_dict()
         self.finish_save()
-        for role in (self.actor, self.critic):
-            if role is not None:
-                role.replicas.flush()  # a stale all-reduce in flight must land before the gradients are saved
         self.pending_save = checkpoint.save(self.ckpt_root, step, self._trained_roles(), rank_state, trainer_state,
                                             self.cfg.checkpoint.keep_last, self.cfg.checkpoint.async_save)
         if self.rank == 0:
@@ -453,6 +374,9 @@ class PPOTrainer:
             log.info("%s checkpoint %s in %.2f s", how, self.pending_save.final, time.perf_counter() - began)
         if self.cfg.checkpoint.async_save and step == self.total_steps:
             self.finish_save()
+
+    def _trainers(self) -> dict:
+        return {name: role for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
 
     def finish_save(self) -> None:
         """Complete a background checkpoint write, if one is under way (every rank calls)."""
@@ -462,37 +386,34 @@ class PPOTrainer:
 
     def _resume(self) -> tuple[int, float]:
         """Load the newest readable checkpoint (checkpoint.resume); returns (its step, eval score before training),
-        or (0, nan) for a fresh start. A corrupt checkpoint is skipped with a warning naming it."""
-        for path in checkpoint.candidates(self.ckpt_root, self.cfg.checkpoint.resume):
-            began = time.perf_counter()
-            try:
-                state, mine = checkpoint.load(path, self._trained_roles())
-            except RuntimeError as e:
-                if self.rank == 0:
-                    log.warning("checkpoint %s could not be read (%s); trying the one before", path, e)
-                continue
-            self.sampler.load_state_dict(state["sampler"])
-            self.kl_ctl.load_state_dict(state["kl_ctl"])
-            self.guard.load_state_dict(state["guard"])
-            for name, role in (("actor", self.actor), ("critic", self.critic)):
-                if role is not None:
-                    for key, value in state["roles"][name].items():
-                        setattr(role, key, value)
-            if mine is not None:
-                checkpoint.restore_rng(mine["rng"], {"gen": self.gen_rng, "cpu": self.cpu_rng})
-                if self.replay is not None and "replay" in mine:
-                    self.replay.load_state_dict(mine["replay"])
-            elif self.rank == 0:
-                log.warning("checkpoint %s was written by %d ranks, this run has %d: weights and optimizer "
-                            "resharded by DCP; per-rank random streams and replay buffers start afresh",
-                            path, state["world_size"], self.layout.world_size)
-            if self.rank == 0:
-                log.info("resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - began)
-                self.logger.truncate_after(state["step"])
-            return state["step"], state["eval_before"]
-        if self.cfg.checkpoint.resume not in ("auto", "never"):
-            raise ValueError(f"checkpoint.resume={self.cfg.checkpoint.resume!r}: could not be read")
-        return 0, float("nan")
+        or (0, nan) for a fresh start."""
+        began = time.perf_counter()
+        found = checkpoint.resume(self.ckpt_root, self.cfg.checkpoint.resume, self._trained_roles())
+        if found is None:
+            return 0, float("nan")
+        path, state, mine = found
+        self.sampler.load_state_dict(state["sampler"])
+        roles = state["roles"]
+        self.kl_ctl.load_state_dict(roles["actor"]["kl_ctl"])
+        self.guard.load_state_dict(roles["actor"]["guard"])
+        for name, role in self._trainers().items():
+            for key, value in roles[name].items():
+                if key not in ("kl_ctl", "guard"):
+                    setattr(role, key, value)
+        if mine is not None:
+            checkpoint.restore_rng(mine["rng"], {"gen": self.gen_rng, "cpu": self.cpu_rng})
+            if self.replay is not None and "replay" in mine:
+                self.replay.load_state_dict(mine["replay"])
+            for name, role in self._trainers().items():
+                role.replicas.load_state_dict(mine["comm"][name])
+        elif self.rank == 0:
+            log.warning("checkpoint %s was written by %d ranks, this run has %d: weights and optimizer resharded by "
+                        "DCP; per-rank random streams, replay buffers and gradient-communication state start afresh",
+                        path, state["world_size"], self.layout.world_size)
+        if self.rank == 0:
+            log.info("resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - began)
+            self.logger.truncate_after(state["step"])
+        return state["step"], state["eval_before"]
 
     def _eval_and_log(self, step: int, merged: dict[str, float] | None = None) -> dict[str, float]:
         local, samples = self.evaluate()
@@ -524,32 +445,6 @@ def on_stop_signal(signum, frame) -> None:
     STOP_SIGNAL["received"] = True
 
 
-def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
-    x = x.float()
-    if x.numel() == 0:
-        return {}
-    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
-
-
-def global_whiten(x: torch.Tensor, mask: torch.Tensor, group, eps: float = 1e-8) -> torch.Tensor:
-    """masked_whiten with the mean and variance of the whole batch over the data-parallel ranks."""
-    m = mask.float()
-    stats = all_reduce_sum(torch.stack([(x * m).sum(), m.sum()]), group)
-    mean = stats[0] / stats[1].clamp(min=1)
-    var = all_reduce_sum(((x - mean) ** 2 * m).sum(), group) / (stats[1] - 1).clamp(min=1)
-    return (x - mean) * torch.rsqrt(var + eps) * m
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the response tokens of this rank."""
-    m = mask.bool()
-    if m.sum() < 2:
-        return 0.0
-    ret, val = returns[m], values[m]
-    var = ret.var()
-    return float(1 - (ret - val).var() / var) if var > 0 else 0.0
-
-
 def setup(cfg: C.Config, rank: int) -> C.Config:
     """Quickstart assets (built once by rank 0 while the others wait), then the data files must exist."""
     if cfg.quickstart.enabled:
@@ -559,14 +454,6 @@ def setup(cfg: C.Config, rank: int) -> C.Config:
             prepare_quickstart(cfg.quickstart, cfg.run.seed)
         dist.barrier()
     return cfg
-
-
-def quiet_libraries() -> None:
-    """Keep the console to our own lines: no per-model load reports or progress bars from transformers, and no
-    FSDP2 warning about view outputs (the roles never modify model outputs in place)."""
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
 def main(argv: list[str]) -> int:

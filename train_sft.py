@@ -15,56 +15,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import config as C
+from monitor import quiet_libraries
 from parallel.distributed import env_world, exit_process, init_distributed, shutdown
 from parallel.fsdp import shard_model
-from parallel.layout import Pool, build_layout
-from roles.modeling import grad_norm_and_clip, load_causal_lm
+from parallel.layout import build_layout
+from roles.modeling import load_causal_lm
+from roles.sft import encode_pairs, sft_train
 from tasks.data import load_sft_records
-
-
-def encode_pairs(records: list[dict], tokenizer) -> list[tuple[list[int], int]]:
-    """(prompt + response + eos token ids, prompt length) per pair."""
-    out = []
-    for r in records:
-        prompt = tokenizer(r["prompt"])["input_ids"]
-        response = tokenizer(r["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((prompt + response, len(prompt)))
-    return out
-
-
-def sft_loss(model, pairs: list[tuple[list[int], int]], device) -> torch.Tensor:
-    """Mean cross-entropy over the response tokens of `pairs` (right-padded)."""
-    width = max(len(ids) for ids, _ in pairs)
-    ids = torch.zeros((len(pairs), width), dtype=torch.long)
-    labels = torch.full((len(pairs), width), -100, dtype=torch.long)
-    attn = torch.zeros((len(pairs), width), dtype=torch.long)
-    for i, (seq, plen) in enumerate(pairs):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, plen : len(seq)] = torch.tensor(seq[plen:])
-        attn[i, : len(seq)] = 1
-    return model(input_ids=ids.to(device), attention_mask=attn.to(device), labels=labels.to(device)).loss
-
-
-def sft_train(model, pairs, steps: int, lr: float, batch_size: int, seed: int, device,
-              pool: Pool | None = None, log_every: int = 50) -> list[float]:
-    """AdamW on random batches of `pairs`; each data-parallel rank of `pool` takes its slice of every batch."""
-    dp_rank, dp_size = (pool.dp_rank, pool.dp_size) if pool is not None else (0, 1)
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
-    model.train()
-    for step in range(steps):
-        picked = torch.randint(0, len(pairs), (batch_size,), generator=gen).tolist()
-        mine = picked[dp_rank::dp_size] or picked[:1]
-        loss = sft_loss(model, [pairs[i] for i in mine], device)
-        loss.backward()
-        grad_norm_and_clip(model, 1.0)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if log_every and (step % log_every == 0 or step == steps - 1) and dp_rank == 0:
-            print(f"sft step {step}/{steps} loss {loss.item():.4f}", flush=True)
-    return losses
 
 
 def save_hf(model, tokenizer, output_dir: str, rank: int) -> None:
@@ -79,8 +36,6 @@ def save_hf(model, tokenizer, output_dir: str, rank: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from train_ppo import quiet_libraries
-
     quiet_libraries()
     rank, world, _ = env_world()
     cfg = C.parse_or_exit(argv, world, rank, check=C.check_sft)

@@ -2,10 +2,24 @@
 
 Response tensors are [B, T]. `mask` is [B, T], bool or float, nonzero on response tokens and 0 on the padding
 after a response ends; every [B, T] output is exactly 0 where the mask is 0. Scores are [B], one per sample;
-the samples of one prompt are `group_size` consecutive rows.
+the samples of one prompt are `group_size` consecutive rows, or carry one group id each (`group_ids` [B]) when
+filters have left groups of different sizes.
+
+Statistics that must cover the whole batch while each data-parallel rank holds a part of it take `reduce`: a callable
+`reduce(t, op)` returning `t` reduced element-wise over the ranks with op "sum", "max" or "min" (the trainer passes an
+all-reduce over its data-parallel group; None means this is the whole batch). Nothing here knows of processes.
 """
 
+from collections.abc import Callable
+
 import torch
+
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def reduced(t: torch.Tensor, reduce: Reduce | None, op: str = "sum") -> torch.Tensor:
+    """`t` reduced over the ranks by `reduce` (see the module docstring), or `t` itself when reduce is None."""
+    return t if reduce is None else reduce(t, op)
 
 
 def check_finite(name: str, x: torch.Tensor) -> None:
@@ -74,19 +88,45 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return torch.where(m, (x - mean) ** 2, 0).sum() / (n - 1 if unbiased else n)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  reduce: Reduce | None = None) -> torch.Tensor:
     """Whiten the valid entries of `x` with their own statistics: (x - mean) / sqrt(var + eps).
 
-    mean and the unbiased var are taken over all valid entries (masked_mean, masked_var). With
-    shift_mean=False the mean is added back, so only the scale changes. x, mask: same shape; returns x's shape,
-    0 where mask is 0.
+    mean and the unbiased var are taken over all valid entries, of every rank when `reduce` is given (the same
+    values as masked_mean and masked_var on the concatenated batch). With shift_mean=False the mean is added back,
+    so only the scale changes. x, mask: same shape; returns x's shape, 0 where mask is 0. Fewer than 2 valid
+    entries in all: the spread is undefined, and the output is 0.
     """
     m = as_bool_mask(mask, x.shape)
-    mean = masked_mean(x, m)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, m) + eps)
+    dtype = _float_dtype(x)
+    totals = reduced(torch.stack([torch.where(m, x, 0).sum().to(dtype), m.sum().to(dtype)]), reduce)
+    n = totals[1]
+    mean = totals[0] / n.clamp(min=1)
+    square = reduced(torch.where(m, (x - mean) ** 2, 0).sum().to(dtype), reduce)
+    if float(n) < 2:
+        return torch.zeros_like(x, dtype=dtype)
+    whitened = (x - mean) * torch.rsqrt(square / (n - 1) + eps)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(m, whitened, 0)
+
+
+def global_stats(x: torch.Tensor, reduce: Reduce | None = None) -> dict[str, float]:
+    """mean, max, min and unbiased var of the entries of `x` (any shape) over every rank: {} when there is none,
+    var only from 2 entries on. The same on every rank; one sum, one max and one min reduction."""
+    x = x.detach().double().reshape(-1)
+    totals = reduced(torch.stack([x.sum(), x.new_tensor(float(x.numel()))]), reduce)
+    high = reduced(x.max() if x.numel() else x.new_tensor(-torch.inf), reduce, "max")
+    low = reduced(x.min() if x.numel() else x.new_tensor(torch.inf), reduce, "min")
+    n = float(totals[1])
+    if n == 0:
+        return {}
+    mean = totals[0] / n
+    square = float(reduced(((x - mean) ** 2).sum(), reduce))
+    out = {"mean": float(mean), "max": float(high), "min": float(low)}
+    if n >= 2:
+        out["var"] = square / (n - 1)
+    return out
 
 
 def _check_discount(name: str, value: float) -> None:
@@ -144,17 +184,34 @@ def as_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size)
 
 
-def _group_deviation(scores: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (s - group mean, s), both [B // group_size, group_size] float64.
+def _group_index(scores: torch.Tensor, group_size: int, group_ids: torch.Tensor | None) -> torch.Tensor:
+    """[B] dense group index 0..G-1 of every sample: from group_ids when given, else consecutive groups."""
+    if group_ids is None:
+        as_groups(scores, group_size)
+        return torch.arange(scores.shape[0], device=scores.device) // group_size
+    if group_ids.shape != scores.shape:
+        raise ValueError(f"group_ids must be [B] like scores {tuple(scores.shape)}, got {tuple(group_ids.shape)}")
+    return torch.unique(group_ids, return_inverse=True)[1]
+
+
+def _group_deviation(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s - group mean, unbiased group std, group size), each [B] float64 and broadcast to the group's samples.
 
     A group whose scores are all equal gets a deviation of exactly 0: its float mean can differ from the
     scores in the last bit, and GRPO's division by (std + eps) would blow that rounding up to a real-looking
-    advantage.
+    advantage. A group of one sample has deviation 0 and std NaN (undefined).
     """
-    groups = as_groups(scores, group_size).to(torch.float64)
-    flat = (groups == groups[:, :1]).all(dim=1, keepdim=True)
-    deviation = torch.where(flat, 0.0, groups - groups.mean(dim=1, keepdim=True))
-    return deviation, groups
+    s = scores.to(torch.float64)
+    groups = int(index.max()) + 1 if index.numel() else 0
+    count = torch.zeros(groups, dtype=torch.float64, device=s.device).index_add_(0, index, torch.ones_like(s))
+    mean = torch.zeros_like(count).index_add_(0, index, s) / count
+    high = torch.full_like(count, -torch.inf).scatter_reduce_(0, index, s, "amax")
+    low = torch.full_like(count, torch.inf).scatter_reduce_(0, index, s, "amin")
+    flat = (high == low)[index]
+    deviation = torch.where(flat, 0.0, s - mean[index])
+    square = torch.zeros_like(count).index_add_(0, index, deviation**2)
+    std = (square / (count - 1)).sqrt()
+    return deviation, std[index], count[index]
 
 
 def _check_response_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
@@ -164,55 +221,61 @@ def _check_response_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def grpo(
-    scores: torch.Tensor, group_size: int, mask: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor, group_size: int, mask: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6,
+    group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages (GRPO, Shao et al. 2024; Dr. GRPO, Liu et al. 2025 with norm_by_std=False).
 
-    A_i = (s_i - mean_g(s)) / (std_g(s) + eps)   norm_by_std=True, std unbiased (divides by group_size - 1)
+    A_i = (s_i - mean_g(s)) / (std_g(s) + eps)   norm_by_std=True, std unbiased (divides by |g| - 1)
     A_i = s_i - mean_g(s)                        norm_by_std=False
     where g is the group of i, broadcast over the response tokens of row i.
 
-    scores: [B]; mask: [B, T]. Returns advantages [B, T], 0 where mask is 0. A group whose scores are all equal
-    gives exactly 0. group_size 1: the std of one sample is undefined, and the sample is its own mean, so the
-    advantage is 0. ValueError when B is not divisible by group_size or scores are not finite.
+    scores: [B]; mask: [B, T]; group_ids: [B] (any integers; equal id = one group, of any size), or None for
+    consecutive groups of group_size. Returns advantages [B, T], 0 where mask is 0. A group whose scores are all
+    equal gives exactly 0; so does a group of one sample (it is its own mean, and its std is undefined).
+    ValueError when B is not divisible by group_size (without group_ids) or scores are not finite.
     """
     check_finite("scores", scores)
     m = _check_response_mask(mask, scores.shape[0])
-    deviation, groups = _group_deviation(scores, group_size)
-    # group_size 1 skips the division: the deviation is already exactly 0 and std would be NaN.
-    if norm_by_std and group_size > 1:
-        deviation = deviation / (groups.std(dim=1, keepdim=True) + eps)
+    deviation, std, count = _group_deviation(scores, _group_index(scores, group_size, group_ids))
+    if norm_by_std:
+        # a group of one has deviation 0 already: skip its NaN std
+        deviation = torch.where(count > 1, deviation / (std + eps), 0.0)
     advantages = deviation.reshape(-1, 1).to(_float_dtype(scores))
     return torch.where(m, advantages, 0)
 
 
-def rloo(scores: torch.Tensor, group_size: int, mask: torch.Tensor) -> torch.Tensor:
+def rloo(scores: torch.Tensor, group_size: int, mask: torch.Tensor, group_ids: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """REINFORCE leave-one-out advantages (Ahmadian et al. 2024).
 
-    A_i = s_i - (sum_{j in g, j != i} s_j) / (group_size - 1) = group_size / (group_size - 1) * (s_i - mean_g(s)),
+    A_i = s_i - (sum_{j in g, j != i} s_j) / (|g| - 1) = |g| / (|g| - 1) * (s_i - mean_g(s)),
     broadcast over the response tokens of row i.
 
-    scores: [B]; mask: [B, T]. Returns advantages [B, T], 0 where mask is 0; exactly 0 for a group of equal scores.
-    ValueError when group_size < 2 (no other sample to form a baseline) or B is not divisible by group_size.
+    scores: [B]; mask: [B, T]; group_ids as for grpo. Returns advantages [B, T], 0 where mask is 0; exactly 0 for a
+    group of equal scores, and for a group of one sample (no other sample to form its baseline: filters can leave
+    such groups). ValueError when group_size < 2 (no other sample to form a baseline) or B is not divisible by
+    group_size.
     """
     if group_size < 2:
         raise ValueError(f"rloo needs group_size >= 2 to leave one sample out, got {group_size}")
     check_finite("scores", scores)
     m = _check_response_mask(mask, scores.shape[0])
-    deviation, _ = _group_deviation(scores, group_size)
-    advantages = (deviation * (group_size / (group_size - 1))).reshape(-1, 1).to(_float_dtype(scores))
-    return torch.where(m, advantages, 0)
+    deviation, _, count = _group_deviation(scores, _group_index(scores, group_size, group_ids))
+    advantages = torch.where(count > 1, deviation * count / (count - 1), 0.0)
+    return torch.where(m, advantages.reshape(-1, 1).to(_float_dtype(scores)), 0)
 
 
-def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, reduce: Reduce | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantages (Hu 2025): discounted returns whitened over the whole batch.
 
     G_t = r_t + gamma * G_{t+1}, with G_{t+1} = 0 where mask_{t+1} = 0 or t + 1 = T
-    A = masked_whiten(G, mask)   (mean and unbiased std over all valid tokens of the batch)
+    A = masked_whiten(G, mask, reduce)   (mean and unbiased std over all valid tokens of the batch, on every rank)
 
-    token_rewards, mask: [B, T]. Returns (advantages [B, T], returns G [B, T]), 0 where mask is 0.
-    ValueError when the batch has fewer than 2 valid tokens (no variance to whiten with).
+    token_rewards, mask: [B, T]. Returns (advantages [B, T], returns G [B, T]), 0 where mask is 0; advantages are
+    0 when the whole batch has fewer than 2 valid tokens (no variance to whiten with).
     """
     # GAE with V = 0 and lam = 1 is exactly the discounted return: delta_t = r_t, A_t = r_t + gamma * A_{t+1}.
     returns, _ = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
-    return masked_whiten(returns, mask), returns
+    return masked_whiten(returns, mask, reduce=reduce), returns

@@ -1,7 +1,10 @@
-"""KL penalty coefficient controllers and the KL-shaped token reward.
+"""KL penalty coefficient controllers, the KL-shaped token reward and the KL-penalised sequence score.
 
-The controllers hold beta for kl_in_reward (KL as a reward penalty, the classic RLHF setup). Their state is a
-single float, saved with the checkpoint so a resumed run continues with the adapted coefficient.
+The controllers hold beta, the weight of the KL to the reference policy: in the reward (kl_in_reward for GAE and
+REINFORCE++, kl_penalised_scores for GRPO and RLOO) or in the loss. The KL they compare with their target is the
+per-token mean of the estimator in use over the response tokens of the whole rollout batch (the unit verl uses;
+a target near 0.1 nats per token), measured every step in both modes. Their state is saved with the checkpoint so a
+resumed run continues with the adapted coefficient.
 """
 
 import math
@@ -50,7 +53,10 @@ class AdaptiveKLController:
     err = clip(current_kl / target_kl - 1, -0.2, 0.2)
     value <- value * (1 + err * n_steps / horizon)
     The coefficient grows while the measured KL is above target and shrinks while below; the clip bounds the
-    change per update whatever the measurement.
+    change per update whatever the measurement. current_kl and target_kl share one unit: meshrl measures the
+    per-token mean KL (see the module docstring), so a target is in nats per token (Ziegler et al.'s 6 nats is a
+    whole-sequence figure: divide it by the response length). n_steps / horizon: samples per update / horizon in
+    samples, as in the paper.
     """
 
     def __init__(self, init_coef: float, target_kl: float, horizon: float):
@@ -125,3 +131,20 @@ def kl_in_reward(
     last = (positions * m).argmax(dim=-1, keepdim=True)
     bonus = torch.where(m.any(dim=-1), scores.to(rewards.dtype), 0).unsqueeze(-1)
     return rewards.scatter_add(-1, last, bonus), token_kl
+
+
+def kl_penalised_scores(scores: torch.Tensor, token_kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """Sequence rewards for the critic-free group estimators (GRPO, RLOO) with the KL penalty in the reward:
+
+    r_i = s_i - beta * sum_t mask_it * kl_it
+
+    the same total reward a sample receives from kl_in_reward, summed over its tokens (Ahmadian et al. 2024 apply
+    it so for RLOO); the group baseline is then taken over these rewards. scores: [B]; token_kl, mask: [B, T].
+    Returns [B] in the scores' float dtype.
+    """
+    check_finite("scores", scores)
+    if token_kl.dim() != 2 or token_kl.shape[0] != scores.shape[0]:
+        raise ValueError(f"need scores [B] and token_kl [B, T] with one B, got {tuple(scores.shape)} and "
+                         f"{tuple(token_kl.shape)}")
+    m = as_bool_mask(mask, token_kl.shape)
+    return scores - beta * torch.where(m, token_kl, 0).sum(-1).to(scores.dtype)

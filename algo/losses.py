@@ -12,8 +12,16 @@ from algo.advantages import as_bool_mask, masked_mean
 
 # exp() of a log-ratio beyond +-20 overflows float16 and turns one bad token into inf; real policies never get there.
 LOG_RATIO_CLAMP = 20.0
+# k3 per token is clamped to this (as verl's low_var_kl): one token far off the reference must not dominate the batch.
+K3_VALUE_CLAMP = 10.0
 
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+# As a loss term the samples are fixed and the gradient flows through logp only. With y ~ pi:
+#   E[grad k1] = E[grad log pi] = 0                           (k1 / abs: no useful gradient: refused as a loss)
+#   E[grad k2] = sum_y pi (log pi - log ref) grad log pi = grad KL(pi || ref)
+#   E[grad k3] = sum_y (pi - ref) grad log pi = grad KL(ref || pi)   (the reverse KL; same minimum, pi = ref)
+# tests/test_algo_losses.py checks these on a small softmax.
+LOSS_KL_KINDS = ("k2", "k3", "low_var_kl")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -29,9 +37,10 @@ def kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.T
     With d = logp - ref:
       k1:  d
       k2:  0.5 * d^2
-      k3 (alias low_var_kl):  exp(-d) - (-d) - 1, computed as expm1(x) - x with x = clamp(ref - logp, -20, 20);
-           expm1 keeps the result >= 0 near d = 0 where exp(x) - x - 1 cancels catastrophically, and the clamp
-           keeps exp finite (the gradient is 0 outside the clamp).
+      k3 (alias low_var_kl):  min(exp(-d) - (-d) - 1, 10), computed as expm1(x) - x with
+           x = clamp(ref - logp, -20, 20); expm1 keeps the result >= 0 near d = 0 where exp(x) - x - 1 cancels
+           catastrophically, the inner clamp keeps exp finite and the outer one (verl's) bounds one token's weight
+           (the gradient is 0 outside either clamp).
       abs: |d|
     logprobs, ref_logprobs: same shape (any). Returns that shape. Unmasked: callers mask or aggregate.
     """
@@ -44,7 +53,7 @@ def kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.T
         return 0.5 * diff.square()
     if kind in ("k3", "low_var_kl"):
         x = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.expm1(x) - x
+        return (torch.expm1(x) - x).clamp(max=K3_VALUE_CLAMP)
     if kind == "abs":
         return diff.abs()
     raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
@@ -253,24 +262,25 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 class _ChunkedEntropy(torch.autograd.Function):
-    """Entropy of softmax(logits) per row; forward and backward upcast one tile at a time.
+    """Entropy of softmax(logits / temperature) per row; forward and backward upcast one tile at a time.
 
-    Saves only the logits and the [B, T] logsumexp; backward recomputes p tile by tile:
-    d H / d logits_j = -p_j * (logits_j - sum_i p_i * logits_i).
+    Saves only the logits and the [B, T] logsumexp; backward recomputes p tile by tile. With x = logits / temperature:
+    d H / d logits_j = -p_j * (x_j - sum_i p_i * x_i) / temperature.
     """
 
     @staticmethod
-    def forward(ctx, logits, chunk_size):
+    def forward(ctx, logits, temperature, chunk_size):
         dtype = _compute_dtype(logits.dtype)
         out = logits.new_empty(logits.shape[:2], dtype=dtype)
         lse = logits.new_empty(logits.shape[:2], dtype=dtype)
         for bs, ts in _blocks(logits.shape[0], logits.shape[1], chunk_size):
-            x = logits[bs, ts].to(dtype)
+            x = logits[bs, ts].to(dtype) / temperature
             tile_lse = torch.logsumexp(x, dim=-1)
             probs = torch.exp(x - tile_lse.unsqueeze(-1))
             lse[bs, ts] = tile_lse
             out[bs, ts] = tile_lse - (probs * x).sum(dim=-1)
         ctx.save_for_backward(logits, lse)
+        ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         return out
 
@@ -280,11 +290,12 @@ class _ChunkedEntropy(torch.autograd.Function):
         logits, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for bs, ts in _blocks(logits.shape[0], logits.shape[1], ctx.chunk_size):
-            x = logits[bs, ts].to(lse.dtype, copy=True)
+            x = logits[bs, ts].to(lse.dtype) / ctx.temperature
             probs = torch.exp(x - lse[bs, ts].unsqueeze(-1))
             expected = (probs * x).sum(dim=-1, keepdim=True)
-            grad[bs, ts] = x.sub_(expected).mul_(probs).mul_(-grad_out[bs, ts].unsqueeze(-1).to(lse.dtype))
-        return grad, None
+            scale = -grad_out[bs, ts].unsqueeze(-1).to(lse.dtype) / ctx.temperature
+            grad[bs, ts] = x.sub_(expected).mul_(probs).mul_(scale)
+        return grad, None, None
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -292,17 +303,21 @@ def _check_chunk_size(chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of the next-token distribution: H = logsumexp(l) - sum_v softmax(l)_v * l_v.
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of the next-token distribution softmax(l) with l = logits / temperature:
+    H = logsumexp(l) - sum_v softmax(l)_v * l_v.
 
     logits: [B, T, V], any float dtype (bf16 is upcast). Returns [B, T] in float32 (float64 for float64 input).
-    At most chunk_size positions are upcast at a time, in forward and in backward, so no float32 copy of the
-    whole [B, T, V] exists; differentiable (entropy bonus).
+    The temperature is applied tile by tile: no scaled copy of the logits is made, and at most chunk_size positions
+    are upcast at a time, in forward and in backward, so no float32 copy of the whole [B, T, V] exists;
+    differentiable (entropy bonus).
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     _check_chunk_size(chunk_size)
-    return _ChunkedEntropy.apply(logits, chunk_size)
+    return _ChunkedEntropy.apply(logits, float(temperature), chunk_size)
 
 
 def logprobs_from_logits(

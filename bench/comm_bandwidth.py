@@ -1,4 +1,4 @@
-"""All-reduce bus bandwidth over the whole world: the start-up check of parallel/comm.py, run standalone.
+"""All-reduce bus bandwidth over the whole world: the start-up check of parallel/comm/bandwidth.py, run standalone.
 
     torchrun --standalone --nproc_per_node 2 bench/comm_bandwidth.py            # NCCL on GPUs, gloo on CPU
     torchrun ... bench/comm_bandwidth.py --sizes 1M,64M,1G --iters 20

@@ -97,3 +97,21 @@ def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def reducer(group: dist.ProcessGroup | None):
+    """`reduce(t, op)` for algo/: `t` all-reduced over `group` with op "sum", "max" or "min", returned on t's device
+    and dtype (a copy; `t` is left alone). A group of one (or None) returns a copy of `t` without communicating."""
+
+    def reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        out = t.detach().clone()
+        if group is None or dist.get_world_size(group) == 1:
+            return out
+        wire = out.to(comm_device(group), torch.float64 if out.is_floating_point() else out.dtype)
+        dist.all_reduce(wire, op=_OPS[op], group=group)
+        return wire.to(t.device, t.dtype)
+
+    return reduce

@@ -21,11 +21,16 @@ def balanced_bounds(n: int, parts: int) -> list[int]:
     return [(n * j) // parts for j in range(parts + 1)]
 
 
-def transfer(batch: Batch | None, src: Pool, dst: Pool, layout: Layout, device: torch.device) -> Batch | None:
+def transfer(batch: Batch | None, src: Pool, dst: Pool, layout: Layout, device: torch.device,
+             want: int | None = None) -> Batch | None:
     """Send `batch` (held by every rank of `src`; tp peers hold the same shard) to the ranks of `dst`.
 
     Call on every rank of both pools. Returns the received shard on `dst` ranks and None elsewhere.
     Same pool: returns `batch` unchanged (colocated roles share the data).
+    want: on `dst` ranks, the number of rows this rank's data-parallel index is to receive (every dst rank passes
+    it, tp peers the same number; the counts must add up to the rows sent). Sending results back to the pool a
+    batch came from with its original shard sizes puts every row back where it started, whatever the shards' sizes.
+    None on every rank: balanced ranges.
     """
     if src is dst:
         return batch
@@ -39,9 +44,11 @@ def transfer(batch: Batch | None, src: Pool, dst: Pool, layout: Layout, device: 
         assert batch is not None, f"rank {rank} of pool {src.name} has no batch to send"
         n = next(iter(batch.values())).shape[0] if batch else 0
         meta = (rank, n, {k: (v.dtype, tuple(v.shape[1:])) for k, v in sorted(batch.items())})
+    wanted = (dst.dp_rank_of(rank), want) if dst.has(rank) and want is not None else None
     metas: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(metas, meta, group=group)
-    senders = sorted((m for m in metas if m is not None), key=lambda m: src.dp_rank_of(m[0]))
+    dist.all_gather_object(metas, (meta, wanted), group=group)
+    wants = dict(w for _, w in metas if w is not None)
+    senders = sorted((m for m, _ in metas if m is not None), key=lambda m: src.dp_rank_of(m[0]))
     keys = list(senders[0][2])
     for m in senders[1:]:
         if list(m[2]) != keys or any(m[2][k][0] != senders[0][2][k][0] for k in keys):
@@ -52,7 +59,15 @@ def transfer(batch: Batch | None, src: Pool, dst: Pool, layout: Layout, device: 
     offsets = [0]
     for m in senders:
         offsets.append(offsets[-1] + m[1])
-    bounds = balanced_bounds(offsets[-1], dst.dp_size)
+    if wants:
+        if sorted(wants) != list(range(dst.dp_size)) or sum(wants.values()) != offsets[-1]:
+            raise ValueError(f"transfer {src.name} -> {dst.name}: the destination asked for rows {wants} (by dp "
+                             f"index) but {offsets[-1]} rows are sent; every dp index must ask, for all of them")
+        bounds = [0]
+        for j in range(dst.dp_size):
+            bounds.append(bounds[-1] + wants[j])
+    else:
+        bounds = balanced_bounds(offsets[-1], dst.dp_size)
     my_dst = dst.dp_rank_of(rank) if dst.has(rank) else None
 
     ops: list[dist.P2POp] = []

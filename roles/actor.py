@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import torch
 
+from algo.advantages import as_bool_mask
 from algo.losses import aggregate, entropy_from_logits, kl, logprobs_from_logits, policy_loss
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import (
     ReplicaSync,
-    add_metric,
+    UpdateMetrics,
     at_response,
     forward,
     join_rows,
     load_causal_lm,
     lr_factor,
     make_optimizer,
-    mean_metrics,
     micro_batches,
     train_mini_batches,
 )
@@ -44,6 +44,7 @@ class Actor:
             max_num_seqs=r.max_num_seqs, kv_cache_tokens=r.kv_cache_tokens,
             gpu_memory_utilization=r.gpu_memory_utilization, max_prefill_tokens=r.max_prefill_tokens,
             cuda_graphs=r.cuda_graphs, compile=r.compile, compact_forward=r.compact_forward)
+        engine_options["reshard_after_forward"] = cfg.fsdp.reshard_after_forward
         self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group,
                                    **engine_options)
 
@@ -63,50 +64,50 @@ class Actor:
     def current_lr(self) -> float:
         return self.cfg.optim.lr * lr_factor(self.step_count, self.cfg.optim, self.total_steps) * self.lr_scale
 
-    def update(self, batch: Batch, temperature: float, kl_loss_coef: float = 0.0, kl_kind: str = "k1",
+    def update(self, batch: Batch, temperature: float, kl_loss_coef: float = 0.0, kl_kind: str = "low_var_kl",
                max_response_len: int | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches on this rank's samples. Needs old_logprobs, advantages
         (and ref_logprobs when kl_loss_coef > 0). Losses are normalised by global counts over the dp group, so
-        the update does not depend on how samples are split over micro-batches or ranks."""
+        the update does not depend on how samples are split over micro-batches or ranks; so are the metrics
+        (roles.modeling.UpdateMetrics), the same on every rank. A batch empty on every rank (filters dropped
+        everything) trains nothing and says so in actor/empty_batch."""
         cfg = self.cfg
         lr = self.current_lr()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
-        sums: dict[str, tuple[float, float]] = {}
+        metrics = UpdateMetrics()
 
         def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
             logits = at_response(forward(self.model, mb), mb)
             logp = logprobs_from_logits(logits, mb["response_ids"], temperature)
             m = mb["response_mask"]
             norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
-            pg, metrics = policy_loss(
+            pg, parts = policy_loss(
                 logp, mb["old_logprobs"], mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
                 cfg.loss_agg, rollout_logprobs=mb.get("rollout_logprobs") if cfg.tis_cap else None,
                 tis_cap=cfg.tis_cap, **norms,
             )
             with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                ent = aggregate(entropy_from_logits(logits / temperature), m, cfg.loss_agg, **norms)
+                ent = aggregate(entropy_from_logits(logits, temperature), m, cfg.loss_agg, **norms)
             loss = pg - cfg.entropy_coef * ent
             if kl_loss_coef > 0:
                 kl_term = aggregate(kl(logp, mb["ref_logprobs"], kl_kind), m, cfg.loss_agg, **norms)
                 loss = loss + kl_loss_coef * kl_term
-                add_metric(sums, "actor/kl_loss", kl_term.item())
-            add_metric(sums, "actor/pg_loss", pg.item())
-            add_metric(sums, "actor/entropy", ent.item())
-            for k, v in metrics.items():
-                add_metric(sums, f"actor/{k}", float(v))
+                metrics.share("actor/kl_loss", kl_term)
+            metrics.share("actor/pg_loss", pg)
+            metrics.share("actor/entropy", ent)
+            n_tokens = as_bool_mask(m, m.shape).sum()
+            for k, v in parts.items():
+                metrics.token_mean(f"actor/{k}", v, n_tokens)
             return loss
 
         taken = train_mini_batches(self.model, self.optimizer, self.replicas, batch, cfg, self.pool,
-                                   self.grad_sync_every, generator, micro_loss, sums, "actor")
+                                   self.grad_sync_every, generator, micro_loss, metrics, "actor")
         for ok in taken:
             self.skips_in_a_row = 0 if ok else self.skips_in_a_row + 1
         self.step_count += 1
-        out = mean_metrics(sums)
-        # pg_loss / entropy are per-micro-batch parts of a global mean: their sum per mini-batch is the loss
-        for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
-            if k in sums:
-                out[k] = sums[k][0] / len(taken)
-        out.update({"actor/lr": lr, "actor/skipped_steps": float(taken.count(False))})
+        out = metrics.result(self.pool.dp_group, len(taken))
+        out.update({"actor/lr": lr, "actor/skipped_steps": float(taken.count(False)),
+                    "actor/empty_batch": float(not taken)})
         return out

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from algo.advantages import as_bool_mask
 from algo.losses import value_loss
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import (
     ReplicaSync,
-    add_metric,
+    UpdateMetrics,
     at_response,
     forward,
     join_rows,
     load_value_model,
     lr_factor,
     make_optimizer,
-    mean_metrics,
     micro_batches,
     train_mini_batches,
 )
@@ -52,19 +52,18 @@ class Critic:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
-        sums: dict[str, tuple[float, float]] = {}
+        metrics = UpdateMetrics()
 
         def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
-            loss, metrics = value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
-                                       cfg.value_clip, global_tokens=tokens)
-            add_metric(sums, "critic/vf_loss", loss.item())
-            add_metric(sums, "critic/vf_clipfrac", float(metrics["vf_clipfrac"]))
+            m = mb["response_mask"]
+            loss, parts = value_loss(self._values(mb), mb["values"], mb["returns"], m, cfg.value_clip,
+                                     global_tokens=tokens)
+            metrics.share("critic/vf_loss", loss)
+            metrics.token_mean("critic/vf_clipfrac", parts["vf_clipfrac"], as_bool_mask(m, m.shape).sum())
             return loss
 
         taken = train_mini_batches(self.model, self.optimizer, self.replicas, batch, cfg, self.pool,
-                                   self.grad_sync_every, generator, micro_loss, sums, "critic", "comm/critic/")
+                                   self.grad_sync_every, generator, micro_loss, metrics, "critic", "comm/critic/")
         self.step_count += 1
-        out = mean_metrics(sums)
-        # vf_loss is per-micro-batch parts of a global mean: their sum per mini-batch is the loss
-        out["critic/vf_loss"] = sums["critic/vf_loss"][0] / len(taken)
-        return {**out, "critic/lr": lr}
+        return {**metrics.result(self.pool.dp_group, len(taken)), "critic/lr": lr,
+                "critic/empty_batch": float(not taken)}

@@ -7,6 +7,7 @@ advantages) are [B, R], token t of row b sitting at position prompt_len[b] + t o
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -161,11 +162,23 @@ def lr_factor(step: int, optim_cfg, total_steps: int) -> float:
 
 
 def mini_batch_count(local_n: int, mini_batch_size: int, group) -> int:
-    """Optimizer steps per epoch: the same on every dp rank (each step ends in a gradient collective)."""
-    total = all_reduce_sum(torch.tensor(float(local_n)), group)
-    if mini_batch_size <= 0:
-        return 1
-    return max(1, int(torch.ceil(total / mini_batch_size)))
+    """Optimizer steps per epoch: the same on every dp rank (each step ends in a gradient collective).
+
+    ceil(total samples / mini_batch_size) (1 when mini_batch_size is 0), at most the largest rank's sample count:
+    each rank splits its own samples into that many mini-batches, so no global mini-batch is empty. 0 when no rank
+    has a sample: there is nothing to update.
+    """
+    counts = torch.tensor([float(local_n), float(local_n)])
+    if group is not None and dist.get_world_size(group) > 1:
+        total = all_reduce_sum(counts[:1], group)
+        biggest = counts[1:].to(comm_device(group))
+        dist.all_reduce(biggest, op=dist.ReduceOp.MAX, group=group)
+        counts = torch.cat([total.cpu(), biggest.cpu()])
+    total, biggest = int(counts[0]), int(counts[1])
+    if total == 0:
+        return 0
+    wanted = 1 if mini_batch_size <= 0 else math.ceil(total / mini_batch_size)
+    return min(wanted, biggest)
 
 
 def join_rows(parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
@@ -183,13 +196,51 @@ def join_rows(parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
     return out * as_bool_mask(batch["response_mask"], batch["response_mask"].shape)
 
 
-def add_metric(sums: dict, key: str, value: float, weight: float = 1.0) -> None:
-    s, w = sums.get(key, (0.0, 0.0))
-    sums[key] = (s + value * weight, w + weight)
+class UpdateMetrics:
+    """Metrics of one update (epochs x mini-batches x micro-batches), reduced over the dp group once at the end, so
+    they are the values of the whole batch, the same on every rank and for any split over ranks or micro-batches:
 
+    - share(key, t): a micro-batch's part of a global mean (a loss normalised by the mini-batch's global counts):
+      summed over micro-batches and ranks, which gives each mini-batch's value, then averaged over the optimizer steps;
+    - token_mean(key, mean, tokens): a mean over a micro-batch's `tokens` valid tokens: weighted by them over
+      micro-batches and ranks (all-padding micro-batches weigh nothing);
+    - same(key, value): a value every rank already agrees on (the gradient norm), averaged over the optimizer steps.
+    Values stay tensors until `result`: no host sync inside the micro-batch loop.
+    """
 
-def mean_metrics(sums: dict) -> dict[str, float]:
-    return {k: s / w for k, (s, w) in sums.items() if w}
+    def __init__(self):
+        self.shares: dict[str, torch.Tensor] = {}
+        self.weighted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.same_values: dict[str, list[float]] = {}
+
+    def share(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self.shares[key] = self.shares[key] + value if key in self.shares else value
+
+    def token_mean(self, key: str, mean: torch.Tensor, tokens: torch.Tensor) -> None:
+        total, weight = mean.detach().float() * tokens, tokens.float()
+        if key in self.weighted:
+            total, weight = total + self.weighted[key][0], weight + self.weighted[key][1]
+        self.weighted[key] = (total, weight)
+
+    def same(self, key: str, value: float) -> None:
+        self.same_values.setdefault(key, []).append(float(value))
+
+    def result(self, group, steps: int) -> dict[str, float]:
+        """Every dp rank calls (one all-reduce, with the same keys on every rank)."""
+        shares, weighted = sorted(self.shares), sorted(self.weighted)
+        parts = [self.shares[k].reshape(1) for k in shares]
+        parts += [torch.stack(self.weighted[k]).reshape(2) for k in weighted]
+        out = {k: sum(v) / len(v) for k, v in self.same_values.items()}
+        if not parts:
+            return out
+        flat = all_reduce_sum(torch.cat([p.cpu() for p in parts]), group).cpu()
+        for i, k in enumerate(shares):
+            out[k] = float(flat[i]) / max(steps, 1)
+        for j, k in enumerate(weighted):
+            total, weight = flat[len(shares) + 2 * j], flat[len(shares) + 2 * j + 1]
+            out[k] = float(total / weight) if weight > 0 else 0.0
+        return out
 
 
 class ReplicaSync:
@@ -242,6 +293,22 @@ class ReplicaSync:
             return {"comm/staleness": float(self.staleness), "comm/grad_bytes": self.stale.pop_bytes()}
         return {}
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue exactly: the stale average not yet applied, the top-k error-feedback
+        residuals, the averaging period (per rank; {} for FSDP's own all-reduce)."""
+        part = self.stale or self.state or self.averager
+        return {"mode": self.mode, "state": part.state_dict() if part is not None else {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") != self.mode:
+            logging.getLogger("meshrl").warning(
+                "the checkpoint joined replicas by %r, this run by %r (comm.compression / param_averaging / "
+                "stale_allreduce changed): that state starts afresh", state.get("mode"), self.mode)
+            return
+        part = self.stale or self.state or self.averager
+        if part is not None:
+            part.load_state_dict(state["state"])
+
     def flush(self) -> None:
         """Wait for a stale all-reduce still in flight (its average stays for the next step, so training goes on
         unchanged). Local, no collective; a no-op in the other modes. The trainer calls it before a checkpoint and
@@ -252,7 +319,7 @@ class ReplicaSync:
 
 def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, replicas: ReplicaSync, batch: Batch,
                        cfg, pool, grad_sync_every: int, generator: torch.Generator | None, micro_loss,
-                       sums: dict, prefix: str, comm_prefix: str = "comm/") -> list[bool]:
+                       metrics: UpdateMetrics, prefix: str, comm_prefix: str = "comm/") -> list[bool]:
     """The update loop the actor and critic share: `cfg.ppo_epochs` x mini-batches (the same count on every dp
     rank) x token-budget micro-batches, one optimizer step per mini-batch.
 
@@ -260,34 +327,37 @@ def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, repli
     response tokens and sequences over the dp group (so micro-batch losses add up to the mini-batch's), and records
     its own metrics. Gradients are reduced every `grad_sync_every` micro-batches, joined across replicas by
     `replicas`, clipped to cfg.optim.grad_clip; a non-finite norm skips the step. Records `<prefix>/grad_norm` and
-    the replicas' metrics (comm/ renamed to `comm_prefix`). Returns, per optimizer step, whether it was taken.
+    the replicas' metrics (comm/ renamed to `comm_prefix`). Returns, per optimizer step, whether it was taken: an
+    empty list when no dp rank has a sample (nothing is computed then, no collective of the model runs).
     cfg: config.ActorConfig or config.CriticConfig.
     """
     group = pool.dp_group
     n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
-    taken = []
+    taken: list[bool] = []
+    if n_mini == 0:
+        return taken
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(batch_size(batch), generator=generator)
         for chunk in torch.tensor_split(order, n_mini):
             mini = select(batch, chunk.to(batch["response_mask"].device))
             mask = as_bool_mask(mini["response_mask"], mini["response_mask"].shape)
-            tokens = all_reduce_sum(mask.sum(), group)
-            seqs = all_reduce_sum(mask.any(-1).sum(), group)
+            counts = all_reduce_sum(torch.stack([mask.sum(), mask.any(-1).sum()]), group).to(mask.device)
+            tokens, seqs = counts[0].clamp(min=1), counts[1].clamp(min=1)
             micro = micro_batches(mini, cfg.micro_batch_tokens, group)
-            mini_loss = 0.0
+            mini_loss = torch.zeros((), device=mask.device)
             for i, mb in enumerate(micro):
                 set_grad_sync(model, sync_now(i, len(micro), grad_sync_every))
                 loss = micro_loss(mb, tokens, seqs)
                 # FSDP averages gradients over the dp ranks; the losses are already global sums
                 (loss * pool.dp_size).backward()
-                mini_loss += loss.item()
+                mini_loss = mini_loss + loss.detach()
             replicas.after_backward(model)
             norm = grad_norm_and_clip(model, cfg.optim.grad_clip)
             taken.append(bool(torch.isfinite(norm)))
             if taken[-1]:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            add_metric(sums, f"{prefix}/grad_norm", norm.item())
+            metrics.same(f"{prefix}/grad_norm", norm.item())
             for k, v in replicas.after_step(model, mini_loss).items():
-                add_metric(sums, k.replace("comm/", comm_prefix), v)
+                metrics.same(k.replace("comm/", comm_prefix), v)
     return taken

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from batch import Batch
+from parallel.distributed import reducer
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import forward, load_value_model, micro_batches, seq_len
@@ -42,11 +44,15 @@ class Reward:
     @torch.no_grad()
     def scores(self, batch: Batch, records: list[dict]) -> tuple[torch.Tensor, dict[str, float], list[str]]:
         """Scores [B] (float32): model_weight x the model's score at the last token + sum of weight x function.
-        `records[batch["prompt_index"][i]]` holds the sample's ground truth and prompt text."""
+        `records[batch["prompt_index"][i]]` holds the sample's ground truth and prompt text.
+
+        With tensor parallelism the tp peers hold the same samples: the reward functions run once, on tp rank 0,
+        and its scores are broadcast, so a timeout or a non-deterministic judge cannot give the peers different
+        batches (and only tp rank 0 counts failures). The metrics are means over the whole pool's samples."""
         n = batch["response_ids"].shape[0]
         device = batch["response_ids"].device
         total = torch.zeros(n, dtype=torch.float32, device=device)
-        metrics: dict[str, float] = {}
+        sums: dict[str, float] = {}
         texts = decode_responses(self.tokenizer, batch)
         if self.model is not None:
             parts = []
@@ -55,18 +61,37 @@ class Reward:
                 parts.append(values.gather(1, (seq_len(mb) - 1).clamp(min=0)[:, None]).squeeze(1))
             model_scores = torch.cat(parts)[:n]
             total += self.cfg.model_weight * model_scores
-            if n:
-                metrics["reward/model_score/mean"] = model_scores.mean().item()
+            sums["reward/model_score/mean"] = float(model_scores.sum())
         if self.functions:
+            fn_total, fn_sums = self._function_scores(batch, records, texts)
+            total += fn_total.to(device)
+            sums.update(fn_sums)
+        # one reduction over the pool's data-parallel ranks: sample count, then each mean's sum
+        keys = sorted(sums)
+        totals = reducer(self.pool.dp_group)(torch.tensor([float(n), *(sums[k] for k in keys)], dtype=torch.float64))
+        metrics = {k: float(totals[i + 1] / totals[0]) for i, k in enumerate(keys)} if totals[0] > 0 else {}
+        return total, metrics, texts
+
+    def _function_scores(self, batch: Batch, records: list[dict], texts: list[str]
+                         ) -> tuple[torch.Tensor, dict[str, float]]:
+        """sum of weight x function over the configured functions [B] (CPU), and each function's score sum."""
+        lead = self.pool.tp == 1 or self.pool.tp_rank == 0
+        result = [None, None]
+        if lead:
             picked = [records[i] for i in batch["prompt_index"].tolist()]
             truths = [r["ground_truth"] for r in picked]
             prompts = [r["prompt_text"] for r in picked]
+            total = torch.zeros(len(texts), dtype=torch.float32)
+            sums = {}
             for runner, weight, spec in self.functions:
                 values, stats = runner(texts, truths, prompts)
-                values = torch.tensor(values, dtype=torch.float32, device=device)
+                values = torch.tensor(values, dtype=torch.float32)
                 total += weight * values
-                if n:
-                    metrics[f"reward/fn/{spec}/mean"] = values.mean().item()
+                sums[f"reward/fn/{spec}/mean"] = float(values.sum())
                 for key, count in stats.items():
                     self.failures[key] = self.failures.get(key, 0.0) + float(count)
-        return total, metrics, texts
+            result = [total, sums]
+        if self.pool.tp > 1:
+            group = self.pool.mesh.get_group("tp")
+            dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
+        return result[0], result[1]

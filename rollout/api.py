@@ -55,3 +55,17 @@ class RolloutOutput:
     response_mask: torch.Tensor
     logprobs: torch.Tensor
 
+
+
+def stop_token_ids(model_path: str, tokenizer, extra=(), trust_remote_code: bool = False) -> tuple[int, ...]:
+    """Every token that ends a response: rollout.stop_token_ids, the tokenizer's eos, and each id of the model's
+    generation_config.eos_token_id (an int or a list: Llama-3 style models end turns with several)."""
+    from transformers import GenerationConfig
+
+    ids = {*extra, tokenizer.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos is all there is
+        eos = None
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return tuple(sorted(ids - {None}))

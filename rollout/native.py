@@ -42,7 +42,8 @@ class NativeEngine:
     all) does on CUDA; max_prefill_tokens bounds the padded prompt tokens of one prefill forward; cuda_graphs and
     compile turn on CUDA-graph capture of the decode step and torch.compile of its pieces (CUDA only).
     compact_forward=False forces the HF-forward path; models the compact forward cannot run use it anyway, and
-    fallback_reason says why.
+    fallback_reason says why. reshard_after_forward: the FSDP2 setting the model was sharded with, put back after
+    every rollout (which keeps the parameters unsharded while it runs).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class NativeEngine:
         cuda_graphs: bool = True,
         compile: bool = True,
         compact_forward: bool = True,
+        reshard_after_forward: bool = True,
     ):
         self.vocab_size = model.config.vocab_size
         if not 0 <= pad_token_id < self.vocab_size:
@@ -74,6 +76,7 @@ class NativeEngine:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.model = model
         self.pad_token_id = pad_token_id
+        self.reshard_after_forward = reshard_after_forward
         self.lockstep_group = lockstep_group
         self.tp_group = tp_group
         self.fallback_reason = unsupported_reason(model) if compact_forward else "compact_forward=False"
@@ -129,12 +132,12 @@ class NativeEngine:
                 self.stats.update(self.slots.stats)
                 return out
         finally:
-            # FSDP2 has no public getter for reshard_after_forward, so this restores True, the value
-            # parallel/fsdp.py sets by default.
+            # FSDP2 has no public getter for reshard_after_forward: the owner says what to restore
+            # (fsdp.reshard_after_forward of the role, as parallel/fsdp.py applied it).
             start = time.perf_counter()
             for module in fsdp_modules:
                 module.reshard()
-                module.set_reshard_after_forward(True, recurse=False)
+                module.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
             model.train(was_training)
             self.stats["reshard_s"] = switch_s + time.perf_counter() - start
 

@@ -19,7 +19,7 @@ DONE = "quickstart_done.json"
 def prepare_quickstart(qcfg, seed: int) -> dict[str, str]:
     """Build the assets unless `workdir` already has them (a marker file is written last). Returns the paths:
     "model" (the SFT warm start), "train", "test"."""
-    from train_sft import encode_pairs, sft_train  # the SFT trainer imports the roles; keep tasks/ light to import
+    from roles.sft import encode_pairs, sft_train  # imports the model stack: keep tasks/ light to import
 
     work = qcfg.workdir
     paths = {"model": os.path.join(work, "sft"), "train": os.path.join(work, "train.jsonl"),

@@ -329,3 +329,23 @@ def test_rloo_sums_to_zero_per_group(case):
     scores = torch.tensor(values, dtype=torch.float32)
     adv = rloo(scores, group_size, torch.ones(len(values), 1))[:, 0].double().view(-1, group_size)
     assert torch.all(adv.sum(dim=1).abs() <= 1e-4 * group_size)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grpo_and_rloo_with_group_ids_of_any_size_match_loop(seed):
+    """What filters leave: groups of different sizes (1 included), interleaved rows, ids that are not 0..G-1."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 5, (14,), generator=gen) * 7 + 3
+    scores = torch.rand(14, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(14, 6, gen)
+    groups = {g: [i for i in range(14) if ids[i] == g] for g in ids.tolist()}
+    grpo_expected, rloo_expected = [], []
+    for i in range(14):
+        members = [float(scores[j]) for j in groups[int(ids[i])]]
+        mean = sum(members) / len(members)
+        lone = len(members) == 1
+        grpo_expected.append(0.0 if lone else (float(scores[i]) - mean) / (statistics.stdev(members) + 1e-6))
+        rloo_expected.append(0.0 if lone else float(scores[i]) - (sum(members) - float(scores[i])) / (len(members) - 1))
+    got = grpo(scores, 4, mask, group_ids=ids)
+    torch.testing.assert_close(got, over_tokens(grpo_expected, mask))
+    torch.testing.assert_close(rloo(scores, 4, mask, group_ids=ids), over_tokens(rloo_expected, mask))

@@ -59,6 +59,30 @@ def test_resume_equals_uninterrupted_and_a_truncated_checkpoint_is_skipped(asset
     assert ckpts(tmp_path) == ["latest", "step_00000004", "step_00000005"], "keep_last=2"
 
 
+def test_resume_keeps_the_controllers_when_rank_0_is_not_an_actor(assets, tmp_path):  # noqa: F811
+    """Split placement with the actor's pool listed second: the KL coefficient (adaptive), the guard rails' raised
+    reward threshold and LR back-off live on rank 1, and a resumed run continues with them."""
+    sections = dict(
+        placement={"mode": "split", "pools": [{"name": "judge", "size": 1, "roles": ["reference", "reward"]},
+                                              {"name": "policy", "size": 1, "roles": ["actor"]}]},
+        algorithm={"adv_estimator": "grpo", "guard": {"kl_limit": 1e-9, "var_limit": 1e-9},
+                   "kl": {"in_reward": True, "controller": "adaptive", "target": 1e-6, "horizon": 100}})
+    # eval every step: the final eval of the 2-step run then draws from the random streams as the 3-step run's does
+    whole = write_config(tmp_path / "whole.yaml", assets, tmp_path / "whole", run={"total_steps": 3, "eval_every": 1},
+                         **sections)
+    proc = torchrun(["train_ppo.py", "--config", whole], nproc=2)
+    assert proc.returncode == 0, explain(proc)
+    reference = comparable(read_metrics(tmp_path / "whole"))
+    for total in (2, 3):
+        cfg = config(tmp_path, assets, f"part{total}", run={"total_steps": total, "eval_every": 1}, **sections)
+        proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2)
+        assert proc.returncode == 0, explain(proc)
+    rows = comparable(read_metrics(tmp_path / "runs"))
+    assert reference[3]["actor/kl_coef"] != reference[1]["actor/kl_coef"], "the controller must have moved"
+    assert reference[3]["guard/min_reward"] > 0 and reference[3]["guard/lr_scale"] < 1, reference[3]
+    assert rows[3] == reference[3]
+
+
 def test_sigterm_saves_and_exits_zero_then_resume_finishes(assets, tmp_path):  # noqa: F811
     cfg = config(tmp_path, assets, "c", run={"total_steps": 200})
     proc = subprocess.Popen([sys.executable, "train_ppo.py", "--config", cfg], cwd=ROOT, env=run_env(),

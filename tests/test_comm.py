@@ -1,11 +1,13 @@
-"""parallel/comm.py: the NCCL environment and its fallback to sockets across a restart, gradient-sync frequency on
-FSDP2, compression hooks on DDP, the one-step-stale replica all-reduce, the bandwidth check (bench script included),
-the comm config checks, and a two-agent (--nnodes 2) rehearsal of a small PPO run on localhost. Distributed parts
-run under torchrun on gloo."""
+"""parallel/comm/: the NCCL environment and its fallback to sockets across a restart (nccl_env), gradient-sync
+frequency on FSDP2 (grad_sync), compression hooks on DDP (compression), parameter averaging (param_averaging), the
+one-step-stale replica all-reduce (stale_allreduce), their checkpointable state, the bandwidth check (bandwidth; bench
+script included), the usage warnings (usage), the comm config checks, and a two-agent (--nnodes 2) rehearsal of a small
+PPO run on localhost. Distributed parts run under torchrun on gloo."""
 
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import re
@@ -14,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets: the tiny model and data fixture)
 
@@ -21,6 +24,9 @@ from config import CommConfig, ConfigError, load_config
 from conftest import ROOT, explain, run_env, run_python, torchrun
 from parallel.comm import (
     FALLBACK_MARKER,
+    GradCompression,
+    ReplicaAverager,
+    StaleAllReduce,
     UsageWarnings,
     apply_comm_env,
     busbw_gbps,
@@ -182,6 +188,57 @@ def test_stale_allreduce_applies_last_steps_average():
     assert proc.returncode == 0, explain(proc)
     for check in ("stale_regression", "stale_hsdp"):
         assert passed_ranks(proc.stdout, check) == {"0", "1", "2", "3"}, f"{check}\n{explain(proc)}"
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def test_comm_state_resumes_exactly():
+    """GradCompression (top-k residuals), ReplicaAverager and StaleAllReduce: K steps, a checkpoint (weights_only
+    load), fresh objects and N - K steps equal N steps bit for bit, and not without load_state_dict; a state meeting
+    other buckets is a ValueError naming both sizes (tests/dist/comm_resume.py)."""
+    proc = torchrun(["tests/dist/comm_resume.py"], nproc=2, timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    for check in ("resume_topk", "resume_averager", "resume_stale"):
+        assert passed_ranks(proc.stdout, check) == {"0", "1"}, f"{check}\n{explain(proc)}"
+
+
+def roundtrip(state: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_comm_state_loads_check_what_they_get():
+    compression = GradCompression("topk")
+    compression.residuals = {0: torch.ones(10)}
+    assert roundtrip(compression.state_dict())["residuals"][0].tolist() == [1.0] * 10
+    with pytest.raises(ValueError, match="residuals"):
+        GradCompression("topk").load_state_dict({"residual": {}})
+    with pytest.raises(ValueError, match="bucket 0 has 12 elements, the model's bucket 0 has 10"):
+        compression.load_state_dict({"residuals": {0: torch.ones(12)}})
+    with pytest.raises(ValueError, match=re.escape("for 2 buckets [0, 1], but the model has 1 buckets [0]")):
+        compression.load_state_dict({"residuals": {0: torch.ones(10), 1: torch.ones(3)}})
+
+    averager = ReplicaAverager(None, k_min=1, k_max=4)
+    averager.k, averager.since, averager.ema, averager.rounds = 4, 2, 0.5, 3
+    restored = ReplicaAverager(None, k_min=1, k_max=4)
+    restored.load_state_dict(roundtrip(averager.state_dict()))
+    assert restored.state_dict() == {"k": 4, "since": 2, "ema": 0.5, "last_loss": None, "rounds": 3}
+    with pytest.raises(ValueError, match=re.escape("k=4 is outside [k_min, k_max]=[1, 2]")):
+        ReplicaAverager(None, k_min=1, k_max=2).load_state_dict(averager.state_dict())
+    with pytest.raises(ValueError, match="missing since, rounds"):
+        restored.load_state_dict({"k": 1, "ema": None, "last_loss": None})
+
+    stale = StaleAllReduce(None)
+    assert roundtrip(stale.state_dict()) == {"average": None, "bounds": [], "params": []}, "nothing pending yet"
+    pending = {"average": [torch.arange(3.0)], "bounds": [[0, 2]], "params": [0, 2]}
+    stale.load_state_dict(roundtrip(pending))
+    again = stale.state_dict()  # loaded, not installed yet: still the pending average
+    assert again["average"][0].tolist() == [0.0, 1.0, 2.0] and again["params"] == [0, 2], again
+    with pytest.raises(ValueError, match="missing params"):
+        stale.load_state_dict({"average": None, "bounds": []})
 
 
 # ------------------------------------------------------------------------------------------------ measurements

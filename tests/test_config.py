@@ -117,3 +117,41 @@ def test_shipped_configs_load():
     # the GSM8K example names files the user brings; its keys, types and placement must hold all the same
     cfg = C.load_config("configs/gsm8k_qwen2.5_1.5b.yaml")
     C.check_world(cfg, 8, C.required_roles(cfg))
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rollout.temperature=0", "rollout.temperature=0.0: must be in (0, inf) (PPO samples from the policy"),
+    ("rollout.top_p=0", "rollout.top_p=0.0: must be in (0, 1]"),
+    ("rollout.eval_n=0", "rollout.eval_n=0: must be in [1, inf)"),
+    ("actor.micro_batch_tokens=0", "actor.micro_batch_tokens=0: must be in [1, inf)"),
+    ("actor.dual_clip=1.0", "actor.dual_clip=1.0: must be in (1, inf)"),
+    ("critic.value_clip=0", "critic.value_clip=0.0: must be in (0, inf)"),
+    ("algorithm.gamma=1.5", "algorithm.gamma=1.5: must be in [0, 1]"),
+    ("algorithm.kl.target=0", "algorithm.kl.target=0.0: must be in (0, inf)"),
+    ("algorithm.kl.coef=-1", "algorithm.kl.coef=-1.0: must be in [0, inf)"),
+    ("algorithm.replay.mix_fraction=2", "algorithm.replay.mix_fraction=2.0: must be in [0, 1]"),
+    ("actor.optim.betas=[0.9]", "actor.optim.betas=[0.9]: expected two numbers in [0, 1)"),
+    ("algorithm.filters.overlong_buffer=1000", "algorithm.filters.overlong_buffer=1000: must be <= rollout"),
+    ("algorithm.kl.loss_kind=k1", "algorithm.kl.loss_kind=k1: as a loss term this estimator has no useful gradient"),
+    ("algorithm.kl.loss_kind=abs", "algorithm.kl.loss_kind=abs"),
+    ("algorithm.kl.kind=k3", "algorithm.kl.kind is no longer a key: it was split in two"),
+])
+def test_values_that_would_fail_at_step_one_fail_at_config_time(override, needle):
+    with pytest.raises(C.ConfigError) as err:
+        cfg = C.load_config(None, ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]", override])
+        C.check_ppo(cfg, 1)
+    assert needle in str(err.value)
+
+
+def test_kl_estimators_default_per_use():
+    kl = C.KLConfig()
+    # the reward: k1, unbiased for the KL's value; the loss: k3, whose gradient is not 0 in expectation (k1's is)
+    assert (kl.reward_kind, kl.loss_kind) == ("k1", "low_var_kl")
+    assert kl.target == 0.1, "the adaptive target is a per-token mean (see algo/kl_control.py)"
+
+
+def test_temperature_zero_exits_2_before_any_step(tmp_path):
+    proc = run_python(["train_ppo.py", "--config", "configs/quickstart.yaml", "rollout.temperature=0",
+                       f"run.output_dir={tmp_path}"], timeout=120)
+    assert proc.returncode == 2 and "rollout.temperature=0.0" in proc.stderr, explain(proc)
+    assert not any(tmp_path.iterdir()), "nothing written"

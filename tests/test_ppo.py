@@ -16,6 +16,7 @@ from conftest import explain, run_python, torchrun
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.synthetic import write_addition_dataset
 from tasks.tiny_model import save_tiny_model
+from tests.user_rewards import ones_fraction
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,9 @@ SPLIT = {"mode": "split", "pools": [
 
 
 def test_ppo_split_four_ranks_learns(assets, tmp_path):
-    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", placement=SPLIT, run={"total_steps": 12})
+    # 5 eval prompts on 2 actor ranks: dealt 3 + 2, scored on the 1-rank reward pool, each score back to its sample
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", placement=SPLIT, run={"total_steps": 12},
+                       data={"eval_size": 5})
     proc = torchrun(["train_ppo.py", "--config", cfg], nproc=4, timeout=400)
     assert proc.returncode == 0, explain(proc)
     rows = read_metrics(tmp_path / "runs")
@@ -85,11 +88,17 @@ def test_ppo_split_four_ranks_learns(assets, tmp_path):
     # float32: the rollout's log-probs are the actor's teacher-forced ones (FSDP2 over the 2 actor ranks)
     assert max(r["rollout/logprob_diff_max"] for r in rows[1:]) < 1e-4
     assert_learns(rows[1:])
+    evals = [json.loads(line) for line in (tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()]
+    for ev in evals:
+        assert len(ev["samples"]) == 5, ev
+        for sample in ev["samples"]:
+            assert sample["score"] == pytest.approx(ones_fraction(sample["response"], None, "")), sample
 
 
 def test_grpo_colocate_two_ranks_learns(assets, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 12},
-                       algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False, "in_loss": True, "kind": "k3"}})
+                       algorithm={"adv_estimator": "grpo",
+                                  "kl": {"in_reward": False, "in_loss": True, "loss_kind": "k3"}})
     proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=400)
     assert proc.returncode == 0, explain(proc)
     rows = read_metrics(tmp_path / "runs")
@@ -123,6 +132,37 @@ def test_missing_prompt_column_names_file_and_column(assets, tmp_path):
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=120)
     assert proc.returncode == 2, explain(proc)
     assert str(bad) in proc.stderr and "'prompt'" in proc.stderr, explain(proc)
+
+
+def test_tp_peers_score_once_and_agree(assets, tmp_path):
+    """tp=2 colocated: the reward function runs once per TP group (tp rank 0), and the peers train on its scores."""
+    calls = tmp_path / "calls.txt"
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+                       placement={"mode": "colocate", "tp": 2}, algorithm={"adv_estimator": "grpo"},
+                       reward={"functions": [{"spec": "tests.user_rewards:counted_ones"}]})
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=300, MESHRL_TEST_CALLS=calls)
+    assert proc.returncode == 0, explain(proc)
+    n_eval = len((assets / "test.jsonl").read_text().splitlines())
+    # eval before and after training, then 2 steps of 8 prompts x 4 samples; the tp peer scores nothing
+    assert len(calls.read_text().splitlines()) == 2 * n_eval + 2 * 8 * 4
+    rows = read_metrics(tmp_path / "runs")
+    assert all(r.get("reward_fn/errors", 0) == 0 for r in rows)
+
+
+def test_every_group_filtered_skips_the_update_without_nan(assets, tmp_path):
+    """A constant reward and DAPO dynamic sampling drop every group: no update, no NaN, not counted as diverged."""
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+                       algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False},
+                                  "filters": {"dynamic_sampling": True}},
+                       reward={"functions": [{"spec": "tests.user_rewards:constant"}]},
+                       checkpoint={"max_skipped_steps": 1})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")[1:]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["actor/empty_batch"] == 1 and r["actor/skipped_steps"] == 0 and r["data/dropped_groups"] == 8, r
+        assert all(v is not None for v in r.values()), f"a NaN was logged: {r}"
 
 
 def test_hsdp_with_int8_gradients_and_accumulated_sync(assets, tmp_path):

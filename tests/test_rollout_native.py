@@ -228,3 +228,19 @@ def test_fsdp2_and_tensor_parallel_under_torchrun():
     proc = torchrun(["tests/dist/rollout_fsdp_tp.py"], nproc=2, timeout=120)
     assert proc.returncode == 0, explain(proc)
     assert proc.stdout.count("all checks passed") == 2, explain(proc)
+
+
+def test_stop_tokens_include_every_eos_of_the_generation_config(tmp_path):
+    """Llama-3 style checkpoints end turns with several ids (generation_config.eos_token_id is a list)."""
+    from transformers import GenerationConfig
+
+    from rollout.api import stop_token_ids
+    from tasks.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer("0123456789+=")
+    GenerationConfig(eos_token_id=[5, 9]).save_pretrained(tmp_path / "multi")
+    assert stop_token_ids(str(tmp_path / "multi"), tokenizer, [7]) == tuple(sorted({5, 7, 9, tokenizer.eos_token_id}))
+    GenerationConfig(eos_token_id=4).save_pretrained(tmp_path / "single")
+    assert stop_token_ids(str(tmp_path / "single"), tokenizer) == tuple(sorted({4, tokenizer.eos_token_id}))
+    (tmp_path / "none").mkdir()
+    assert stop_token_ids(str(tmp_path / "none"), tokenizer) == (tokenizer.eos_token_id,)

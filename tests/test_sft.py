@@ -9,9 +9,9 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import explain, torchrun
+from roles.sft import encode_pairs, sft_loss
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.tiny_model import save_tiny_model
-from train_sft import encode_pairs, sft_loss
 
 
 def test_sft_two_ranks_saves_a_loadable_model_that_learned(tmp_path):

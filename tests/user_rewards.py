@@ -48,3 +48,15 @@ def flaky_ones(response: str, ground_truth: str | None, prompt: str) -> float:
     if "5" in response:
         raise ValueError(f"deliberate failure on {response!r}")
     return ones_fraction(response, ground_truth, prompt)
+
+
+def counted_ones(response: str, ground_truth: str | None, prompt: str) -> float:
+    """ones_fraction, appending one line per call to the file named by MESHRL_TEST_CALLS (who scored what)."""
+    with open(os.environ["MESHRL_TEST_CALLS"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return ones_fraction(response, ground_truth, prompt)
+
+
+def constant(response: str, ground_truth: str | None, prompt: str) -> float:
+    """The same score for every response: every GRPO group is flat."""
+    return 1.0

@@ -1,6 +1,7 @@
-"""Gradient compression as DDP comm hooks (parallel/comm.py), under torchrun on gloo: bytes per method against the
-float32 all-reduce, the averaged gradient each method gives, and a small regression where top-k with error feedback
-matches the uncompressed loss and top-k without it does not. Launched by tests/test_comm.py; prints 'PASS <check>'."""
+"""Gradient compression as DDP comm hooks (parallel/comm/compression.py), under torchrun on gloo: bytes per method
+against the float32 all-reduce, the averaged gradient each method gives, and a small regression where top-k with error
+feedback matches the uncompressed loss and top-k without it does not; local SGD (parallel/comm/param_averaging.py).
+Launched by tests/test_comm.py; prints 'PASS <check>'."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fallback to sockets across a torchrun restart (parallel/comm.py), 2 gloo processes, --max-restarts 1.
+"""The fallback to sockets across a torchrun restart (parallel/comm/nccl_env.py), 2 gloo processes, --max-restarts 1.
 
 The first start stands in for NCCL on a broken InfiniBand fabric with a process-group start that really fails (a
 store client for a port nobody serves); init_with_fallback leaves the marker, torchrun restarts the workers, and

@@ -1,7 +1,7 @@
-"""Gradient-sync frequency on FSDP2 (parallel/comm.py) under torchrun, 4 gloo processes: accumulating micro-batches
-without reduce-scatter / all-reduce gives the gradients of syncing every micro-batch, for FSDP over 4 ranks and HSDP
-2x2, with the collectives counted by CommTimer; compressed replicate all-reduce for HSDP; and the start-up bandwidth
-check on split pools.
+"""Gradient-sync frequency on FSDP2 (parallel/comm/grad_sync.py) under torchrun, 4 gloo processes: accumulating
+micro-batches without reduce-scatter / all-reduce gives the gradients of syncing every micro-batch, for FSDP over 4
+ranks and HSDP 2x2, with the collectives counted by CommTimer (parallel/comm/usage.py); compressed replicate all-reduce
+for HSDP (parallel/comm/compression.py); and the start-up bandwidth check on split pools (parallel/comm/bandwidth.py).
 Launched by tests/test_comm.py; prints 'PASS <check>'."""
 
 from __future__ import annotations

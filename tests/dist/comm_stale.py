@@ -1,9 +1,9 @@
-"""One-step-stale replica all-reduce (parallel/comm.StaleAllReduce through roles/modeling.ReplicaSync) under torchrun,
-4 gloo processes: on a small regression with 4 replicas (no DDP, no FSDP), the gradients installed at step t are the
-synchronous average of step t-1's gradients bit for bit, a non-finite gradient is skipped one step later on every
-replica, flush() changes nothing, and the final loss matches synchronous averaging; on HSDP 2x2 (FSDP2 over dp_shard,
-DTensor shards) the same contract holds for every parameter, in one bucket or many, and the replicas stay identical.
-Launched by tests/test_comm.py; prints 'PASS <check>'."""
+"""One-step-stale replica all-reduce (parallel/comm/stale_allreduce.StaleAllReduce through roles/modeling.ReplicaSync)
+under torchrun, 4 gloo processes: on a small regression with 4 replicas (no DDP, no FSDP), the gradients installed at
+step t are the synchronous average of step t-1's gradients bit for bit, a non-finite gradient is skipped one step later
+on every replica, flush() changes nothing, and the final loss matches synchronous averaging; on HSDP 2x2 (FSDP2 over
+dp_shard, DTensor shards) the same contract holds for every parameter, in one bucket or many, and the replicas stay
+identical. Launched by tests/test_comm.py; prints 'PASS <check>'."""
 
 from __future__ import annotations
 

@@ -122,6 +122,16 @@ def check_transfer(rank, split):
             n = int(back["lens"][i])
             assert torch.equal(back["input_ids"][i, :n], rows[lo + i])
             assert not back["input_ids"][i, n:].any() and not back["mask"][i, n:].any()
+    # back with the original shard sizes (3 and 5, not balanced): every row returns to the rank it came from
+    home = transfer(there, b, a, split, torch.device("cpu"), want=len(mine["lens"]) if a.has(rank) else None)
+    if a.has(rank):
+        assert torch.equal(home["lens"], mine["lens"]) and torch.equal(home["score"], mine["score"])
+    if a.has(rank) or b.has(rank):
+        try:
+            transfer(there, b, a, split, torch.device("cpu"), want=1 if a.has(rank) else None)
+            raise AssertionError("asking for 2 of 8 rows must fail")
+        except ValueError as e:
+            assert "asked for rows" in str(e), e
     # into a tp=2 pool: both tp peers receive the whole batch; back out, only tp rank 0 sends
     tp_split = build_layout(pools(("dp", 2, ["actor"], 1, 1), ("tp", 2, ["critic"], 2, 1)), "cpu")
     a, b = tp_split.pools

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -93,6 +93,22 @@ def check_fsdp(mesh: DeviceMesh) -> None:
         dist.all_gather_object(counts, len(forwards))
         check(len(set(counts)) == 1, f"fsdp {name}: ranks made different numbers of forwards {counts}")
 
+    # The rollout puts back the reshard_after_forward the model was sharded with (FSDP2 has no public getter: its
+    # parameter group keeps no post-forward mesh when it does not reshard).
+    def reshards_after_forward() -> set[bool]:
+        return {m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group}
+
+    check(reshards_after_forward() == {True}, "fsdp: reshard_after_forward=True not restored")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(False, recurse=False)
+    kept = NativeEngine(model, PAD, lockstep_group=mesh.get_group(), reshard_after_forward=False)
+    kept.generate([[1, 2]] if rank == 0 else [[3]], SamplingParams(max_new_tokens=2, temperature=0))
+    check(reshards_after_forward() == {False}, "fsdp: reshard_after_forward=False overridden by the rollout")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(True, recurse=False)
     check(model.training, "fsdp: training flag not restored")
     check(all(isinstance(p, DTensor) for p in model.parameters()), "fsdp: parameters not resharded")
     # Training still works after the rollout toggled FSDP's reshard settings.

@@ -1,0 +1,141 @@
+"""What a step spends on communication and memory: seconds in collectives (CommTimer, perf/comm_fraction), peak
+device memory, and the warnings when either passes its threshold (comm.comm_fraction_warn, comm.memory_fraction_warn).
+"""
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+log = logging.getLogger("meshrl.comm")
+
+
+class CommTimer:
+    """Seconds spent in collectives during a step, for perf/comm_fraction.
+
+    What it counts: the collectives it is shown, i.e. FSDP2's all-gathers and reduce-scatters of the modules passed
+    to `watch_fsdp` (timed around each call on the stream FSDP issues it from: CUDA events on GPU, the blocking call
+    on CPU), and whatever runs inside `span()` (explicit collectives: batch transfer, metric reductions). Time
+    includes waiting for slower peers. Overlapped time counts too, so the fraction is an upper bound of the time
+    communication costs the step, not the exposed part. Not counted: HSDP's replicate all-reduce (FSDP2 issues it
+    with no way to wrap it), DDP buckets, and all-gathers started with unshard(async_op=True) (counted in `untimed`).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self.calls = {"all_gather": 0, "reduce_scatter": 0, "span": 0}
+        self.untimed = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def span(self, kind: str = "span"):
+        """Time the block as communication; on GPU by events on the current stream (no synchronisation here)."""
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+    def watch_fsdp(self, model: nn.Module) -> None:
+        """Time every all-gather and reduce-scatter of the FSDP2 modules in `model` (results are unchanged: the
+        wrappers call the same torch.distributed functions as FSDP2's defaults)."""
+        for m in model.modules():
+            # all_gather_into_tensor / reduce_scatter_tensor: the names torch 2.11 and 2.13 share
+            if isinstance(m, FSDPModule) and hasattr(m, "set_custom_all_gather"):
+                m.set_custom_all_gather(_TimedAllGather(self))
+                m.set_custom_reduce_scatter(_TimedReduceScatter(self))
+
+    def pop(self, step_seconds: float | None = None) -> dict[str, float]:
+        """{"perf/comm_s": seconds since the last pop, "perf/comm_fraction": their share of `step_seconds` when
+        given}; on GPU this waits for the recorded events (call it where the step has synchronised anyway)."""
+        seconds = self.seconds
+        for start, end in self._events:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
+        self.seconds, self._events = 0.0, []
+        out = {"perf/comm_s": seconds}
+        if step_seconds:
+            out["perf/comm_fraction"] = seconds / step_seconds
+        return out
+
+
+class _TimedAllGather:
+    def __init__(self, timer: CommTimer):
+        self.timer = timer
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if async_op:
+            self.timer.untimed += 1
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+        with self.timer.span("all_gather"):
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+
+
+class _TimedReduceScatter:
+    def __init__(self, timer: CommTimer):
+        self.timer = timer
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if async_op:
+            self.timer.untimed += 1
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        with self.timer.span("reduce_scatter"):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+
+
+def device_memory_fraction(device: torch.device) -> float | None:
+    """Peak reserved memory / device memory on GPU; None on CPU (no fixed budget to compare with)."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return torch.cuda.max_memory_reserved(device) / total
+
+
+class UsageWarnings:
+    """Warn when perf/comm_fraction passes comm.comm_fraction_warn or peak device memory passes
+    comm.memory_fraction_warn; each warns once, and again only after it has gone back under its threshold."""
+
+    def __init__(self, comm_cfg):
+        self.limits = {"comm": comm_cfg.comm_fraction_warn, "memory": comm_cfg.memory_fraction_warn}
+        self.active: set[str] = set()
+
+    def check(self, comm_fraction: float | None, memory_fraction: float | None) -> list[str]:
+        """Returns (and logs) the new warnings of this step."""
+        out = []
+        for kind, value in (("comm", comm_fraction), ("memory", memory_fraction)):
+            if value is None:
+                continue
+            limit = self.limits[kind]
+            if value > limit and kind not in self.active:
+                self.active.add(kind)
+                what = ("time in collectives is {:.0%} of the step (comm.comm_fraction_warn={:g}): consider "
+                        "comm.grad_sync_every, comm.compression or a larger micro_batch_tokens"
+                        if kind == "comm" else
+                        "peak device memory is {:.0%} of the device (comm.memory_fraction_warn={:g}): consider "
+                        "fsdp.cpu_offload, activation_checkpointing or a smaller micro_batch_tokens")
+                out.append(what.format(value, limit))
+                log.warning("comm: %s", out[-1])
+            elif value <= limit:
+                self.active.discard(kind)
+        return out

@@ -1,0 +1,134 @@
+"""The same batch on 1 rank and on 2 ranks gives the same advantages and logs the same metrics: algo/pipeline.py
+(whitening, group baselines, statistics through the dp reduction) and the actor's and critic's updates (losses,
+entropy, clip fractions, gradient norm) on FSDP2, then monitor.gather_metrics as the trainer calls it. Also the
+updates of a batch with one sample per rank and of a batch empty on every rank. 2 gloo processes; launched by
+tests/test_metrics.py with a scratch folder as argument; prints 'PASS <check>'."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+import config as C
+from algo.kl_control import make_kl_controller
+from algo.pipeline import prepare_batch
+from batch import select
+from monitor import gather_metrics
+from parallel.distributed import init_distributed, reducer
+from parallel.layout import build_layout
+from roles.actor import Actor
+from roles.critic import Critic
+from tasks.char_tokenizer import build_char_tokenizer
+from tasks.tiny_model import save_tiny_model
+from tests.dist.report import run_worker, say
+
+N, B, PROMPT, RESP = 4, 8, 3, 5  # samples per prompt, batch rows, prompt and response widths
+
+
+def make_batch(vocab: int) -> dict:
+    """A scored rollout of 2 prompts x 4 samples with ragged responses, as train_ppo.py builds it."""
+    gen = torch.Generator().manual_seed(0)
+    r_len = torch.tensor([5, 3, 1, 4, 2, 5, 5, 3])
+    mask = (torch.arange(RESP)[None] < r_len[:, None]).float()
+    resp = torch.randint(1, vocab, (B, RESP), generator=gen) * mask.long()
+    ids = torch.zeros(B, PROMPT + RESP, dtype=torch.long)
+    ids[:, :PROMPT] = torch.randint(1, vocab, (B, PROMPT), generator=gen)
+    ids[:, PROMPT:] = resp
+    old = (-torch.rand(B, RESP, generator=gen) * 4 - 1) * mask
+    return {"input_ids": ids, "prompt_len": torch.full((B,), PROMPT), "response_len": r_len, "response_ids": resp,
+            "response_mask": mask, "rollout_logprobs": old.clone(), "old_logprobs": old,
+            "ref_logprobs": (old - torch.rand(B, RESP, generator=gen)) * mask,
+            "values": torch.randn(B, RESP, generator=gen) * mask,
+            "scores": torch.tensor([1.0, 0.0, 0.5, 0.25, 0.9, 0.1, 0.1, 0.7]),
+            "prompt_index": torch.arange(B) // N}
+
+
+def run(cfg, pool, model_path, batch, with_critic: bool) -> tuple[dict, dict]:
+    """prepare_batch then the updates on this pool's share of `batch`; returns (local metrics, prepared batch)."""
+    reduce = reducer(pool.dp_group)
+    ctl = make_kl_controller(cfg.algorithm.kl.controller, cfg.algorithm.kl.coef, cfg.algorithm.kl.target,
+                             cfg.algorithm.kl.horizon)
+    prepared, metrics = prepare_batch(batch, cfg.algorithm, ctl, group_size=N, max_response_len=RESP,
+                                      min_reward=0.05, reduce=reduce)
+    torch.manual_seed(1)  # the critic's fresh value head
+    actor = Actor(model_path, cfg.actor, pool, torch.device("cpu"), 0, 10, comm_cfg=cfg.comm, rollout_cfg=cfg.rollout)
+    metrics.update(actor.update(prepared, 1.0, 0.0, max_response_len=RESP, generator=torch.Generator()))
+    if with_critic:
+        torch.manual_seed(1)
+        critic = Critic(model_path, cfg.critic, pool, torch.device("cpu"), 10, comm_cfg=cfg.comm)
+        metrics.update(critic.update(prepared, torch.Generator()))
+    return metrics, prepared
+
+
+def close(a: float, b: float, key: str) -> None:
+    assert math.isclose(a, b, rel_tol=2e-4, abs_tol=1e-6), f"{key}: 1 rank {a} vs 2 ranks {b}"
+
+
+def main() -> None:
+    info = init_distributed("gloo", timeout_s=120, device="cpu")
+    rank = info.rank
+    assert info.world_size == 2, "run with --nproc_per_node 2"
+    model_path = f"{sys.argv[1]}/model"
+    if rank == 0:
+        tokenizer = build_char_tokenizer("0123456789+=")
+        save_tiny_model(model_path, tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, seed=0)
+    dist.barrier()
+    solo = build_layout([C.PoolConfig("solo", 1, ["actor", "critic"]), C.PoolConfig("idle", 1, ["reward"])], "cpu")
+    pair = build_layout([C.PoolConfig("all", 2, ["actor", "critic"])], "cpu")
+    full = make_batch(14)
+    halves = [select(full, slice(0, 4)), select(full, slice(4, 8))]  # whole groups on each rank
+
+    for estimator in ("gae", "reinforce_pp", "grpo", "rloo"):
+        cfg = C.load_config(None, [
+            f"algorithm.adv_estimator={estimator}", "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.2",
+            "algorithm.filters.dynamic_sampling=true", "actor.fsdp.param_dtype=float32",
+            "critic.fsdp.param_dtype=float32", "actor.optim.lr=1e-2", "critic.optim.lr=1e-2",
+            "actor.entropy_coef=0.01", "actor.micro_batch_tokens=16", "critic.micro_batch_tokens=16"])
+        one, one_adv = {}, None
+        if rank == 0:
+            one, prepared = run(cfg, solo.pools[0], model_path, dict(full), estimator == "gae")
+            one_adv = prepared["advantages"]
+        two, prepared = run(cfg, pair.pools[0], model_path, dict(halves[rank]), estimator == "gae")
+        parts: list = [None, None]
+        dist.all_gather_object(parts, prepared["advantages"])
+        logged_one, logged_two = gather_metrics(one), gather_metrics(two)
+        if rank == 0:
+            joined = torch.cat([p[:, : one_adv.shape[1]] for p in parts])
+            torch.testing.assert_close(joined, one_adv, rtol=1e-5, atol=1e-6, msg=f"{estimator} advantages")
+            keys = [k for k in logged_one if k not in ("actor/lr", "critic/lr")]
+            for key in ("actor/entropy", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
+                        "reward/score/max", "reward/score/min", "reward/score/var", "response_length/mean",
+                        "data/kept_fraction", "data/dropped_groups", "actor/reward_kl", "actor/ref_kl"):
+                assert key in keys, f"{estimator}: {key} not logged: {sorted(keys)}"
+            if estimator == "gae":
+                assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var"} <= set(keys), keys
+            for key in keys:
+                close(logged_one[key], logged_two[key], f"{estimator} {key}")
+            assert logged_one["data/dropped_groups"] == 0 and logged_one["reward/score/max"] == 1.0
+            say(f"PASS same metrics {estimator} ({len(keys)} keys)")
+
+    # one sample per rank, one sample per mini-batch asked for: no empty global mini-batch, no skipped step
+    cfg = C.load_config(None, ["algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false",
+                               "actor.fsdp.param_dtype=float32", "actor.mini_batch_size=1"])
+    actor = Actor(model_path, cfg.actor, pair.pools[0], torch.device("cpu"), 0, 10, comm_cfg=cfg.comm,
+                  rollout_cfg=cfg.rollout)
+    one_each = select(full, slice(rank * 4, rank * 4 + 1))
+    one_each["advantages"] = one_each["response_mask"] * (1.0 if rank == 0 else -1.0)
+    m = actor.update(one_each, 1.0, generator=torch.Generator())
+    assert m["actor/skipped_steps"] == 0 and m["actor/empty_batch"] == 0 and math.isfinite(m["actor/pg_loss"]), m
+    assert actor.skips_in_a_row == 0
+    say(f"rank {rank} PASS one sample per rank")
+
+    empty = select(one_each, slice(0, 0))
+    m = actor.update(empty, 1.0, generator=torch.Generator())
+    assert m["actor/empty_batch"] == 1 and m["actor/skipped_steps"] == 0 and actor.skips_in_a_row == 0, m
+    assert all(math.isfinite(v) for v in m.values()), m
+    say(f"rank {rank} PASS empty batch")
+
+
+if __name__ == "__main__":
+    run_worker(main)
