@@ -113,7 +113,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["native"] = "native"
+    engine: Literal["native", "vllm"] = "native"  # vllm: the embedded vLLM engine (rollout/vllm.py, an extra)
     n: int = 1  # samples per prompt (GRPO/RLOO groups)
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -130,6 +130,12 @@ class RolloutConfig:
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the decode step before graph capture (GPU only)
     compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
+    # the vLLM engine: ranks per engine (contiguous), what sleeping between rollouts frees (1: the KV cache, weights
+    # kept in host memory; 2: both), and the start-up check's bound on the mean |vLLM - actor| log-prob gap
+    # (gpu_memory_utilization above is vLLM's share of the GPU)
+    vllm_tp: int = 1
+    vllm_sleep_level: Literal[1, 2] = 1
+    vllm_max_logprob_gap: float = 0.25
 
 
 KL_KIND = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
@@ -532,12 +538,17 @@ def check_ppo(cfg: Config, world_size: int) -> None:
                           "compares the samples of a prompt; set rollout.n >= 2")
     check_ranges(cfg, PPO_RANGES)
     kl = cfg.algorithm.kl
+    if kl.controller == "adaptive" and kl.coef == 0:
+        raise ConfigError("algorithm.kl.controller=adaptive with algorithm.kl.coef=0: the adaptive controller scales "
+                          "the coefficient, so it would stay 0; start it above 0 (e.g. 0.05)")
     if kl.loss_kind in ("k1", "abs"):
         raise ConfigError(f"algorithm.kl.loss_kind={kl.loss_kind}: as a loss term this estimator has no useful "
                           "gradient (k1's expected gradient is 0); use low_var_kl (k3, the default) or k2")
     if cfg.algorithm.filters.dynamic_sampling and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.filters.dynamic_sampling=true with rollout.n={cfg.rollout.n}: it drops groups "
                           "whose samples all score the same, i.e. every group of one; set rollout.n >= 2")
+    if cfg.rollout.engine == "vllm":
+        check_vllm(cfg, world_size)
     buffer = cfg.algorithm.filters.overlong_buffer
     if buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.filters.overlong_buffer={buffer}: must be <= rollout.max_new_tokens="
@@ -557,6 +568,26 @@ def check_ppo(cfg: Config, world_size: int) -> None:
                 raise ConfigError(f"{key}={path!r}: not found")
 
 
+def check_vllm(cfg: Config, world_size: int) -> None:
+    """rollout.engine=vllm: colocated roles, vllm_tp dividing the world, a GPU, vLLM importable."""
+    import importlib.util
+
+    if cfg.placement.mode != "colocate":
+        raise ConfigError("rollout.engine=vllm with placement.mode=split is not built yet (the whole-world rollout "
+                          "with the actor's weights broadcast needs several GPUs to verify); use placement.mode="
+                          "colocate, or rollout.engine=native with split pools")
+    tp = cfg.rollout.vllm_tp
+    if tp < 1 or world_size % tp:
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"rollout.vllm_tp={tp}: must divide the world size {world_size} (contiguous ranks form "
+                          f"one vLLM engine); valid: {valid}")
+    if cfg.run.device == "cpu":
+        raise ConfigError("rollout.engine=vllm runs on GPUs; run.device=cpu needs rollout.engine=native")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm: vLLM is not installed in this environment; pip install -r "
+                          "requirements-vllm.txt (vllm==0.24.0 with torch==2.11.0), or use rollout.engine=native")
+
+
 # Numeric keys and their valid intervals, checked before anything starts (None values are "off" and skipped).
 PPO_RANGES = (
     ("run.total_steps", "[0, inf)"), ("run.log_every", "[1, inf)"), ("run.eval_every", "[0, inf)"),
@@ -566,6 +597,7 @@ PPO_RANGES = (
     ("rollout.top_p", "(0, 1]"), ("rollout.top_k", "[0, inf)"), ("rollout.eval_temperature", "[0, inf)"),
     ("rollout.eval_n", "[1, inf)"), ("rollout.max_num_seqs", "[1, inf)"), ("rollout.kv_cache_tokens", "[1, inf)"),
     ("rollout.gpu_memory_utilization", "(0, 1]"), ("rollout.max_prefill_tokens", "[1, inf)"),
+    ("rollout.vllm_max_logprob_gap", "(0, inf)"),
     ("algorithm.gamma", "[0, 1]"), ("algorithm.lam", "[0, 1]"),
     ("algorithm.kl.coef", "[0, inf)"), ("algorithm.kl.target", "(0, inf)"), ("algorithm.kl.horizon", "[1, inf)"),
     ("algorithm.filters.filter_ratio", "[0, 1)"), ("algorithm.filters.weight_pow", "[0, inf)"),

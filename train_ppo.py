@@ -101,8 +101,7 @@ class PPOTrainer:
         trust = cfg.model.trust_remote_code
         hosts = layout.hosts
         self.actor = Actor(path, cfg.actor, self.pools["actor"], device, pad, self.total_steps, trust, cfg.comm,
-                           cfg.rollout) \
-            if hosts("actor") else None
+                           cfg.rollout, cfg.data.max_prompt_len, cfg.run.seed) if hosts("actor") else None
         self.critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.critic, self.pools["critic"], device,
                              self.total_steps, trust, cfg.comm) if self.use_critic and hosts("critic") else None
         self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
@@ -152,6 +151,8 @@ class PPOTrainer:
                 batch = self._generate(self.train_set, indices, self.train_params)
             rows = batch["input_ids"].shape[0]
             times["timing_s/reshard"] = self.actor.engine.stats.get("reshard_s", 0.0)
+            if "memory_gb" in self.actor.engine.stats:
+                metrics["rollout/vllm_memory_gb"] = self.actor.engine.stats["memory_gb"]
             tokens = (batch["prompt_len"] + batch["response_len"]).sum()
             metrics["perf/total_tokens"] = float(all_reduce_sum(tokens, P["actor"].dp_group))
 
@@ -237,12 +238,32 @@ class PPOTrainer:
         kl_now = None
         if g.kl_limit is not None:
             kl_now = metrics.get("actor/ref_kl", abs(metrics.get("actor/ppo_kl", 0.0)))
-        var_now = metrics.get("reward/score/var") if g.var_limit is not None else None
+        # the variance of the scores the threshold filters (shaped by the overlong penalty when that is on)
+        var_now = metrics.get("reward/shaped_score/var", metrics.get("reward/score/var")) \
+            if g.var_limit is not None else None
         events = self.guard.step(kl_now, var_now)
         self.actor.lr_scale = self.guard.metrics()["guard/lr_scale"]
         for e in events:
             log.info("guard rail: %s", e)
         metrics.update(self.guard.metrics())
+
+    def _check_engine(self) -> dict[str, float]:
+        """After the first weight sync: the engine's log-probs of its own samples against the actor's teacher-forced
+        ones on the first train prompts. A mean gap far beyond bf16 noise means the weights did not arrive as the
+        actor has them (a name mapping or sleep-level bug): stop before training on them."""
+        batch = self._generate(self.train_set, list(range(min(8, len(self.train_set)))), self.train_params)
+        old = self.actor.log_probs(batch, self.cfg.rollout.temperature)
+        mask = batch["response_mask"]
+        totals = self.dp_reduce(torch.stack([((old - batch["rollout_logprobs"]).abs() * mask).sum(), mask.sum()]))
+        gap = float(totals[0] / totals[1].clamp(min=1))
+        limit = self.cfg.rollout.vllm_max_logprob_gap
+        if gap > limit:
+            raise RuntimeError(f"the vLLM engine's log-probs differ from the actor's by {gap:.3f} nats per token on "
+                               f"average (rollout.vllm_max_logprob_gap={limit}): its weights do not match the actor's")
+        if self.rank == 0:
+            log.info("vLLM engine: started in %.1f s, weights synced in %.3f s, log-prob gap %.4f nats per token",
+                     self.actor.engine.stats["engine_init_s"], self.actor.engine.stats["reshard_s"], gap)
+        return {"rollout/startup_logprob_gap": gap, "timing_s/engine_init": self.actor.engine.stats["engine_init_s"]}
 
     # ------------------------------------------------------------------------------------------------ eval
     def evaluate(self) -> tuple[dict[str, float], list[tuple[int, str, str, float]]]:
@@ -284,6 +305,8 @@ class PPOTrainer:
         cfg = self.cfg
         start, before = self._resume()
         startup = comm.bandwidth_check(self.layout, self.device) if cfg.comm.bandwidth_check else {}
+        if cfg.rollout.engine == "vllm":
+            startup.update(self._check_engine())
         startup["data/dropped_long_prompts"] = float(self.train_set.n_dropped_too_long)
         if start == 0:
             before = self._eval_and_log(0, gather_metrics(startup)).get("eval/score/mean", float("nan"))
@@ -394,8 +417,9 @@ class PPOTrainer:
         path, state, mine = found
         self.sampler.load_state_dict(state["sampler"])
         roles = state["roles"]
-        self.kl_ctl.load_state_dict(roles["actor"]["kl_ctl"])
-        self.guard.load_state_dict(roles["actor"]["guard"])
+        # checkpoints written before 2026-12-01 kept the controllers at the top level (from rank 0)
+        self.kl_ctl.load_state_dict(roles["actor"].get("kl_ctl", state.get("kl_ctl")))
+        self.guard.load_state_dict(roles["actor"].get("guard", state.get("guard")))
         for name, role in self._trainers().items():
             for key, value in roles[name].items():
                 if key not in ("kl_ctl", "guard"):
@@ -405,7 +429,8 @@ class PPOTrainer:
             if self.replay is not None and "replay" in mine:
                 self.replay.load_state_dict(mine["replay"])
             for name, role in self._trainers().items():
-                role.replicas.load_state_dict(mine["comm"][name])
+                if name in mine.get("comm", {}):
+                    role.replicas.load_state_dict(mine["comm"][name])
         elif self.rank == 0:
             log.warning("checkpoint %s was written by %d ranks, this run has %d: weights and optimizer resharded by "
                         "DCP; per-rank random streams, replay buffers and gradient-communication state start afresh",

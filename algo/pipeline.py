@@ -72,7 +72,7 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
     if use_ref:
         token_kl = torch.where(mask.bool(), kl(batch["old_logprobs"], batch["ref_logprobs"], kl_estimator(kl_cfg)), 0)
         totals = A.reduced(torch.stack([token_kl.double().sum(), mask.double().sum(),
-                                        torch.tensor(float(batch_size(batch)), dtype=torch.float64)]), reduce)
+                                        token_kl.new_tensor(float(batch_size(batch)), dtype=torch.float64)]), reduce)
         kl_mean = float(totals[0] / totals[1].clamp(min=1))
         m["actor/reward_kl"] = kl_mean
         # k3 is never negative, unlike k1 on a finite sample: what the KL guard rail compares with its limit
@@ -122,8 +122,9 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
     # 5. PF-PPO (with replacement: the replay buffer is given the survivors before it, without duplicates)
     fresh, fresh_scores = batch, scores
     if f.pf_ppo != "off" and batch_size(batch):
-        picked = pf_ppo_resample(scores, f.pf_ppo, f.weight_pow, generator)
-        batch = select(batch, picked)
+        # drawn on the CPU, where the trainer's generator for shuffles and resampling lives
+        picked = pf_ppo_resample(scores.cpu(), f.pf_ppo, f.weight_pow, generator)
+        batch = select(batch, picked.to(scores.device))
 
     # 6. replay: mix, then add
     if replay is not None:

@@ -27,8 +27,9 @@ from rollout.native import NativeEngine, RolloutOutput, SamplingParams
 
 class Actor:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, pad_token_id: int, total_steps: int,
-                 trust_remote_code: bool = False, comm_cfg=None, rollout_cfg=None):
-        """cfg: config.ActorConfig; rollout_cfg: config.RolloutConfig (the engine's sizes and switches)."""
+                 trust_remote_code: bool = False, comm_cfg=None, rollout_cfg=None, max_prompt_len: int = 1024,
+                 seed: int = 0):
+        """cfg: config.ActorConfig; rollout_cfg: config.RolloutConfig (the engine and its sizes and switches)."""
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
         self.replicas = ReplicaSync(comm_cfg, pool)
@@ -38,8 +39,17 @@ class Actor:
         self.lr_scale = 1.0  # guard rails back the learning rate off through this
         self.step_count = 0
         self.skips_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
-        tp_group = pool.mesh.get_group("tp") if pool.tp > 1 else None
+        self.synced_step = None  # the update count whose weights the vLLM engine holds
         r = rollout_cfg
+        if r is not None and r.engine == "vllm":
+            from rollout.vllm import VLLMEngine  # vLLM is an optional extra
+
+            self.engine = VLLMEngine(self.model, path, pad_token_id, pool.dp_rank, tp=r.vllm_tp,
+                                     gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.vllm_sleep_level,
+                                     max_model_len=max_prompt_len + r.max_new_tokens, seed=seed,
+                                     trust_remote_code=trust_remote_code)
+            return
+        tp_group = pool.mesh.get_group("tp") if pool.tp > 1 else None
         engine_options = {} if r is None else dict(
             max_num_seqs=r.max_num_seqs, kv_cache_tokens=r.kv_cache_tokens,
             gpu_memory_utilization=r.gpu_memory_utilization, max_prefill_tokens=r.max_prefill_tokens,
@@ -49,6 +59,14 @@ class Actor:
                                    **engine_options)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None) -> RolloutOutput:
+        """Responses from the engine; a separate engine (vLLM) first takes the weights of the latest update
+        (engine.stats["reshard_s"]: the sync, 0 when the weights were current; the native engine reports its
+        unshard / reshard time there)."""
+        if hasattr(self.engine, "sync_weights"):
+            self.engine.stats["reshard_s"] = 0.0
+            if self.synced_step != self.step_count or not self.engine.loaded:
+                self.engine.sync_weights()
+                self.synced_step = self.step_count
         return self.engine.generate(prompts, params, generator)
 
     @torch.no_grad()

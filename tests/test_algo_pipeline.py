@@ -156,3 +156,14 @@ def test_everything_filtered_gives_an_empty_batch_not_nan():
     out, m = prepare(batch, algo)
     assert out["advantages"].shape[0] == 0 and m["data/dropped_groups"] == 2 and m["data/kept_fraction"] == 0
     assert all(v == v for v in m.values()), m
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_whole_pipeline_runs_on_cuda_tensors():
+    """The trainer's batch lives on the GPU while its shuffling generator lives on the CPU."""
+    batch = {k: v.cuda() for k, v in rollout(3, seed=9).items()}
+    algo = algorithm(adv_estimator="grpo", **{"kl.in_reward": "true", "filters.pf_ppo": "pow",
+                                             "filters.overlong_buffer": 2, "filters.min_reward": 0.1})
+    replay = ReplayBuffer(capacity=100, quality_threshold=0.0, mix_fraction=0.25)
+    out, m = prepare(batch, algo, generator=torch.Generator().manual_seed(0), replay=replay)
+    assert out["advantages"].is_cuda and all(v == v for v in m.values()), m

@@ -135,10 +135,12 @@ def test_shipped_configs_load():
     ("algorithm.kl.loss_kind=k1", "algorithm.kl.loss_kind=k1: as a loss term this estimator has no useful gradient"),
     ("algorithm.kl.loss_kind=abs", "algorithm.kl.loss_kind=abs"),
     ("algorithm.kl.kind=k3", "algorithm.kl.kind is no longer a key: it was split in two"),
+    ("algorithm.kl.controller=adaptive algorithm.kl.coef=0", "the adaptive controller scales the coefficient"),
 ])
 def test_values_that_would_fail_at_step_one_fail_at_config_time(override, needle):
     with pytest.raises(C.ConfigError) as err:
-        cfg = C.load_config(None, ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]", override])
+        cfg = C.load_config(None, ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]",
+                                   *override.split()])
         C.check_ppo(cfg, 1)
     assert needle in str(err.value)
 

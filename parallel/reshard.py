@@ -1,0 +1,102 @@
+"""Stream a sharded model's weights, whole and under their HF names, to a rollout engine after each update.
+
+An inference engine (vLLM's `model.load_weights(iterable of (hf_name, tensor))`) keeps its own copy of the weights
+in its own layout; after every optimizer step the trainer's FSDP2 / TP shards are gathered one tensor at a time and
+handed over in buckets of bounded size, so neither side ever holds a second full copy of the model and nothing is
+written to disk.
+
+Buffers: HF checkpoints hold a module's `state_dict()`, i.e. its parameters and its *persistent* buffers. Llama and
+Qwen2 have no persistent buffers (`rotary_emb.inv_freq` and `original_inv_freq` are non-persistent: the engine
+recomputes them from the config), so for them the stream is exactly `named_parameters()`; persistent buffers of other
+architectures are streamed after the parameters, as a checkpoint would store them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from parallel.fsdp import fsdp_modules
+
+# FSDP1, torch's checkpoint_wrapper and torch.compile insert these anywhere in a name; DDP's `module` only leads.
+_WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+
+def hf_name(name: str) -> str:
+    """A parameter's name as the HF checkpoint spells it: wrapper prefixes removed.
+
+    `module._orig_mod.model.layers.0._checkpoint_wrapped_module.self_attn.q_proj.weight`
+    -> `model.layers.0.self_attn.q_proj.weight`.
+    """
+    parts = [part for part in name.split(".") if part not in _WRAPPERS]
+    if parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def weight_buckets(
+    model: nn.Module,
+    bucket_bytes: int = 256 << 20,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's full (unsharded) weights as lists of (hf_name, tensor), at most `bucket_bytes` bytes a list.
+
+    Order: `named_parameters()` (a tied parameter once, under its first name, as HF checkpoints store it: with
+    tied embeddings `lm_head.weight` is left out), then the persistent buffers. The order is the same on every rank.
+
+    Collective: a DTensor (FSDP2 / TP / HSDP shard) is gathered with `full_tensor()` over its mesh, so every rank of
+    the model's mesh must iterate to the end, in step; consuming the buckets on one rank only hangs the others.
+    Each rank gets every tensor whole; the ones that do not feed the engine drop them.
+
+    FSDP2 modules are resharded first (as FSDP2's own `state_dict()` does), so that a model left unsharded by a
+    forward with reshard_after_forward=False streams its float32 master weights, not the `param_dtype` copies.
+
+    Each tensor has the parameter's full shape (e.g. `[vocab, hidden]` for `model.embed_tokens.weight`), is detached,
+    cast to `dtype` and moved to `device` when given; otherwise it keeps the parameter's dtype and lies where the gather
+    left it (the mesh's device, also for CPU-offloaded shards) or, unsharded, where the parameter is. A tensor that
+    needs no gather, cast or move shares storage with the parameter: copy it before the next update to keep it.
+    A bucket's bytes (`numel * element_size` after the cast) are <= `bucket_bytes`, except a single tensor larger than
+    the bound, which goes alone.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    for module in fsdp_modules(model):
+        module.reshard()
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in _named_tensors(model):
+        tensor = _whole(tensor, dtype, device)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((hf_name(name), tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters then persistent buffers: the entries of an HF checkpoint, tied duplicates once."""
+    yield from model.named_parameters()
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+@torch.no_grad()
+def _whole(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        local = tensor.to_local()
+        if local.device.type != mesh.device_type:
+            # CPU-offloaded shard of a GPU mesh: the gather (NCCL) needs it on the GPU
+            tensor = DTensor.from_local(local.to(mesh.device_type), mesh, tensor.placements, run_check=False,
+                                        shape=tensor.shape, stride=tensor.stride())
+        tensor = tensor.to_local()
+    return tensor.detach().to(device=device, dtype=dtype)
