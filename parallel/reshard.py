@@ -2,8 +2,8 @@
 
 An inference engine (vLLM's `model.load_weights(iterable of (hf_name, tensor))`) keeps its own copy of the weights
 in its own layout; after every optimizer step the trainer's FSDP2 / TP shards are gathered one tensor at a time and
-handed over in buckets of bounded size, so neither side ever holds a second full copy of the model and nothing is
-written to disk.
+handed over in buckets of bounded size, so the trainer holds at most one bucket of whole tensors beside its shards,
+and nothing is written to disk.
 
 Buffers: HF checkpoints hold a module's `state_dict()`, i.e. its parameters and its *persistent* buffers. Llama and
 Qwen2 have no persistent buffers (`rotary_emb.inv_freq` and `original_inv_freq` are non-persistent: the engine
@@ -98,5 +98,5 @@ def _whole(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Ten
             # CPU-offloaded shard of a GPU mesh: the gather (NCCL) needs it on the GPU
             tensor = DTensor.from_local(local.to(mesh.device_type), mesh, tensor.placements, run_check=False,
                                         shape=tensor.shape, stride=tensor.stride())
-        tensor = tensor.to_local()
+        tensor = tensor.full_tensor()
     return tensor.detach().to(device=device, dtype=dtype)

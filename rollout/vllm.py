@@ -161,7 +161,8 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine does not hold the actor's weights: call sync_weights() first (after "
                                "every actor update, and after every sleep at level 2)")
         self.wake()
-        base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else 0
+        base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device)) \
+            if generator is not None else 0
         limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
 
         def generate_all(batch: list) -> list:
