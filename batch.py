@@ -30,6 +30,16 @@ def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, W, ...] -> [N, width, ...]: cut or right-pad dim 1 with zeros. Response-aligned tensors coming back from
+    another pool are as wide as the widest batch that pool received; beyond a batch's own width they hold padding."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    out = t.new_zeros((t.shape[0], width, *t.shape[2:]))
+    out[:, : t.shape[1]] = t
+    return out
+
+
 def cat_batches(batches: list[Batch]) -> Batch:
     keys = batches[0].keys()
     for b in batches[1:]:

@@ -27,7 +27,7 @@ from algo.controller import GuardRails
 from algo.filters import ReplayBuffer
 from algo.kl_control import make_kl_controller
 from algo.pipeline import prepare_batch
-from batch import Batch
+from batch import Batch, fit_width
 from monitor import MetricsLogger, gather_metrics, memory_gb, quiet_libraries
 from parallel import comm
 from parallel.distributed import env_world, exit_process, init_distributed, reducer, shutdown
@@ -189,7 +189,8 @@ class PPOTrainer:
                 if on:
                     back = transfer(got, P[role], P["actor"], self.layout, self.device, want=rows)
                     if batch is not None:
-                        batch.update(back)
+                        width = batch["response_mask"].shape[1]
+                        batch.update({k: fit_width(v, width) if v.dim() == 2 else v for k, v in back.items()})
 
         # 4. on the actor pool: filters, KL, advantages, resampling, replay (algo/pipeline.py has the order)
         if self.actor is not None:

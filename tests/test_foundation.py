@@ -36,3 +36,14 @@ def test_pad_cat_and_split_keep_values():
     assert torch.equal(joined[:2, :3], a) and not joined[:2, 3].any() and torch.equal(joined[2:], b)
     parts = split_batch({"x": joined, "y": torch.arange(4)}, [1, 3])
     assert torch.equal(parts[1]["y"], torch.tensor([1, 2, 3])) and parts[0]["x"].shape == (1, 4)
+
+
+def test_fit_width_cuts_or_pads_the_response_axis():
+    """Tensors sent back from another pool are as wide as the widest batch it received (seen on the quickstart's
+    split layout: values [64, 5] came back to an actor rank whose responses were [64, 4])."""
+    from batch import fit_width
+
+    t = torch.arange(12.0).view(2, 6)
+    assert torch.equal(fit_width(t, 4), t[:, :4])
+    padded = fit_width(t[:, :2], 5)
+    assert padded.shape == (2, 5) and torch.equal(padded[:, :2], t[:, :2]) and not padded[:, 2:].any()
