@@ -30,7 +30,7 @@ from algo.pipeline import prepare_batch
 from batch import Batch, fit_width
 from monitor import MetricsLogger, gather_metrics, memory_gb, quiet_libraries
 from parallel import comm
-from parallel.distributed import env_world, exit_process, init_distributed, reducer, shutdown
+from parallel.distributed import comm_device, env_world, exit_process, init_distributed, reducer, shutdown
 from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
 from roles.actor import Actor
@@ -109,6 +109,7 @@ class PPOTrainer:
         self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
                              trust) if hosts("reward") else None
 
+        self._check_rewards()
         stops = stop_token_ids(path, self.tokenizer, cfg.rollout.stop_token_ids, trust)
         r = cfg.rollout
         self.train_params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, stops)
@@ -134,6 +135,27 @@ class PPOTrainer:
         self.pending_save: checkpoint.PendingSave | None = None
         if self.rank == 0:
             self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
+
+    def _check_rewards(self) -> None:
+        """Every reward function called once on the first train and the first eval record, on the reward ranks;
+        every rank raises ValueError (exit 2) when one failed, the rank that saw it with the traceback."""
+        problem = None
+        if self.reward is not None:
+            samples = [("the first train record", self.train_set.items[0])]
+            if self.eval_set is not None:
+                samples.append(("the first eval record", self.eval_set.items[0]))
+            problem = self.reward.check_functions(samples)
+        if self._anyone(problem is not None):
+            if problem and self.rank != 0:  # rank 0 prints the error it raises
+                log.error("%s", problem)
+            raise ValueError(problem or "a reward function failed its start-up call on another rank (its log says "
+                             "why)")
+
+    def _anyone(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on some rank (a world all-reduce)."""
+        value = torch.tensor([float(flag)], device=comm_device())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     # ------------------------------------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
@@ -176,6 +198,13 @@ class PPOTrainer:
                 scores = {"scores": s}
                 metrics.update(reward_metrics)
                 metrics.update(self.reward.take_failures())
+        # a broken reward function must not train the policy on zeros: every rank stops here, before the update
+        fatal = self.reward.fatal if self.reward is not None else None
+        if self._anyone(fatal is not None):
+            if fatal:
+                log.error("%s", fatal)
+            raise RuntimeError(fatal or "reward functions failed on too many samples on another rank (its log says "
+                               "which); stopping before the update. The last checkpoint is intact.")
         if self.actor is not None:
             with t("old_logprobs"):
                 batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
@@ -436,7 +465,15 @@ class PPOTrainer:
             log.warning("checkpoint %s was written by %d ranks, this run has %d: weights and optimizer resharded by "
                         "DCP; per-rank random streams, replay buffers and gradient-communication state start afresh",
                         path, state["world_size"], self.layout.world_size)
+        if state["step"] >= self.total_steps:
+            raise C.ConfigError(
+                f"run {self.cfg.run.name!r} has already finished: its checkpoint {path} is at step {state['step']} "
+                f"and run.total_steps is {self.total_steps}, so there is nothing to train. To train on, raise "
+                "run.total_steps; to start a new run, pick another run.name (or run.output_dir)")
         if self.rank == 0:
+            changed = config_changes(yaml.safe_load(state["config"]), C.to_dict(self.cfg))
+            if changed:
+                log.warning("resuming %s with a changed config: %s", path, "; ".join(changed))
             log.info("resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - began)
             self.logger.truncate_after(state["step"])
         return state["step"], state["eval_before"]
@@ -469,6 +506,18 @@ STOP_SIGNAL = {"received": False}
 def on_stop_signal(signum, frame) -> None:
     """SIGTERM / SIGUSR1 (SLURM preemption): finish the current step, save, exit 0."""
     STOP_SIGNAL["received"] = True
+
+
+def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every leaf that differs between two config dicts (nested sections dotted)."""
+    out = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += config_changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return out
 
 
 def setup(cfg: C.Config, rank: int) -> C.Config:
@@ -506,7 +555,14 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         shutdown()
         return 2
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except C.ConfigError as e:  # e.g. a finished run started again: nothing was trained or written
+        if info.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        trainer.close()
+        shutdown()
+        return 2
     if info.rank == 0:
         print(f"eval/score/mean: {result['before']:.3f} at the start -> {result['after']:.3f} at the end", flush=True)
     shutdown()

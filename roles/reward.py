@@ -31,6 +31,19 @@ class Reward:
         self.functions = [(RewardFunctionRunner(f.spec, cfg.num_workers, cfg.timeout_s), f.weight, f.spec)
                           for f in cfg.functions]
         self.failures = {"reward_fn/errors": 0.0, "reward_fn/timeouts": 0.0}  # since the last take_failures()
+        self.fatal: str | None = None  # set when a step's failures pass reward.max_error_fraction
+
+    def check_functions(self, samples: list[tuple[str, dict]]) -> str | None:
+        """One call of every reward function on each (where, record) before training, with the record's ground truth
+        as the response (any finite number passes): the problem's description, or None."""
+        for runner, _, _ in self.functions:
+            for where, record in samples:
+                try:
+                    runner.check(record["ground_truth"] or "", record["ground_truth"], record["prompt_text"],
+                                 record["columns"], where)
+                except ValueError as e:
+                    return str(e)
+        return None
 
     def take_failures(self) -> dict[str, float]:
         """Reward-function errors and timeouts counted since the last call (eval's included), then reset."""
@@ -74,17 +87,23 @@ class Reward:
 
     def _function_scores(self, batch: Batch, records: list[dict], texts: list[str]
                          ) -> tuple[torch.Tensor, dict[str, float]]:
-        """sum of weight x function over the configured functions [B] (CPU), and each function's score sum."""
+        """sum of weight x function over the configured functions [B] (CPU), and each function's score sum.
+        Sets `fatal` when more than reward.max_error_fraction of the pool's samples failed (errors, timeouts,
+        non-finite or non-numeric results) in this call."""
         lead = self.pool.tp == 1 or self.pool.tp_rank == 0
         result = [None, None]
+        failed, first_error = set(), None
         if lead:
             picked = [records[i] for i in batch["prompt_index"].tolist()]
             truths = [r["ground_truth"] for r in picked]
             prompts = [r["prompt_text"] for r in picked]
+            columns = [r.get("columns", {}) for r in picked]
             total = torch.zeros(len(texts), dtype=torch.float32)
             sums = {}
             for runner, weight, spec in self.functions:
-                values, stats = runner(texts, truths, prompts)
+                values, stats = runner(texts, truths, prompts, columns)
+                failed |= runner.last_failed
+                first_error = first_error or (f"{spec}: {runner.last_error}" if runner.last_error else None)
                 values = torch.tensor(values, dtype=torch.float32)
                 total += weight * values
                 sums[f"reward/fn/{spec}/mean"] = float(values.sum())
@@ -94,4 +113,9 @@ class Reward:
         if self.pool.tp > 1:
             group = self.pool.mesh.get_group("tp")
             dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
+        counts = reducer(self.pool.dp_group)(torch.tensor([float(len(failed)), float(len(texts) if lead else 0)]))
+        if counts[1] > 0 and counts[0] / counts[1] > self.cfg.max_error_fraction:
+            self.fatal = (f"reward functions failed on {int(counts[0])} of {int(counts[1])} samples of this step "
+                          f"(reward.max_error_fraction={self.cfg.max_error_fraction}); a failure of this rank's:\n"
+                          f"{first_error or '(on another rank)'}")
         return result[0], result[1]

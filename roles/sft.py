@@ -10,10 +10,15 @@ from roles.modeling import grad_norm_and_clip
 
 
 def encode_pairs(records: list[dict], tokenizer) -> list[tuple[list[int], int]]:
-    """(prompt + response + eos token ids, prompt length) per pair."""
+    """(prompt + response + eos token ids, prompt length) per pair. A prompt given as chat messages is templated
+    with the tokenizer's chat template and ends with the generation prompt, as train_ppo.py builds its prompts."""
     out = []
     for r in records:
-        prompt = tokenizer(r["prompt"])["input_ids"]
+        if isinstance(r["prompt"], list):
+            text = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt = tokenizer(r["prompt"])["input_ids"]
         response = tokenizer(r["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         out.append((prompt + response, len(prompt)))
     return out

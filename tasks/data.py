@@ -105,14 +105,17 @@ def _as_text(value: object, key: str, where: str) -> str:
 def load_prompt_records(
     path: str | Path, prompt_key: str = "prompt", ground_truth_key: str = "ground_truth"
 ) -> list[dict]:
-    """Records `{"prompt": str | list[dict], "ground_truth": str | None}`; the ground truth is None where absent."""
+    """Records `{"prompt": str | list[dict], "ground_truth": str | None, "columns": dict}`; the ground truth is None
+    where absent; `columns` holds every other column of the row by name (the ground truth's too), for reward
+    functions that read them (`data_source`, `extra_info`, ...)."""
     records = []
     for where, row in _read_rows(path):
         prompt = _check_prompt(_required(row, prompt_key, where, "prompt"), where)
         ground_truth, found = _lookup(row, ground_truth_key)
         if found and ground_truth is not None:
             ground_truth = _as_text(ground_truth, ground_truth_key, where)
-        records.append({"prompt": prompt, "ground_truth": ground_truth})
+        columns = {k: v for k, v in row.items() if k != prompt_key}
+        records.append({"prompt": prompt, "ground_truth": ground_truth, "columns": columns})
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
@@ -131,7 +134,8 @@ def load_sft_records(path: str | Path, prompt_key: str = "prompt", response_key:
 
 
 class PromptDataset:
-    """Tokenised prompts: items `{"prompt_ids": list[int], "ground_truth": str | None, "prompt_text": str}`.
+    """Tokenised prompts: items `{"prompt_ids": list[int], "ground_truth": str | None, "prompt_text": str,
+    "columns": dict}`.
 
     `chat_template`: None applies the tokenizer's chat template to message prompts and tokenises text as is; True
     also wraps text prompts as one user message; False refuses message prompts. Templated prompts end with the
@@ -192,6 +196,7 @@ class PromptDataset:
                         "prompt_ids": prompt_ids[i],
                         "ground_truth": record.get("ground_truth"),
                         "prompt_text": prompt_texts[i],
+                        "columns": record.get("columns", {}),
                     }
                 )
         self.n_dropped_too_long = len(records) - len(self.items)

@@ -1,6 +1,11 @@
 """Function rewards: built-in answer matchers and user functions, the latter run in worker processes.
 
-A reward function has the signature `f(response: str, ground_truth: str | None, prompt: str) -> float`, where
+Three conventions are accepted, told apart by the function's signature (see `reward_convention`):
+- meshrl's per-sample `f(response: str, ground_truth: str | None, prompt: str) -> float`;
+- TRL's batched `f(completions: list[str], prompts=..., **columns) -> list[float]`, called with one sample at a time
+  (so a timeout or an error costs one sample), every data column as a keyword list (`ground_truth` under its column
+  name, `data_source`, anything the file has);
+- verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict` (a dict's "score").
 `prompt` is the prompt as the model saw it (chat template applied). Name one with a spec: "gsm8k", "exact_match",
 or "module.path:function" for a user function importable from this process's sys.path.
 
@@ -8,6 +13,7 @@ This module imports only the standard library, so the spawned workers that impor
 """
 
 import importlib
+import inspect
 import logging
 import math
 import multiprocessing
@@ -98,6 +104,50 @@ def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
     return function
 
 
+CONVENTIONS = ("meshrl", "trl", "verl")
+SIGNATURES = ("meshrl: f(response, ground_truth, prompt) -> float; TRL: f(completions, prompts=None, **columns) -> "
+              "list[float]; verl: compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float")
+
+
+def reward_convention(function: Callable, spec: str) -> str:
+    """Which of CONVENTIONS `function` follows, from its parameters; ValueError naming the signature otherwise."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: assume ours
+        return "meshrl"
+    names = list(signature.parameters)
+    if "solution_str" in names:
+        return "verl"
+    if names[:1] == ["completions"]:
+        return "trl"
+    try:
+        signature.bind("", None, "")
+    except TypeError:
+        raise ValueError(f"reward function {spec!r} has the signature {function.__name__}{signature}, which none "
+                         f"of the accepted conventions has; {SIGNATURES}") from None
+    return "meshrl"
+
+
+def call_reward(function: Callable, convention: str, response: str, ground_truth: str | None, prompt: str,
+                columns: dict) -> object:
+    """One sample's reward under `convention`; columns: the sample's other data columns by name."""
+    if convention == "meshrl":
+        return function(response, ground_truth, prompt)
+    accepted = inspect.signature(function).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    if convention == "verl":
+        given = {"data_source": columns.get("data_source"), "solution_str": response, "ground_truth": ground_truth,
+                 "extra_info": columns.get("extra_info")}
+        out = function(**{k: v for k, v in given.items() if takes_all or k in accepted})
+        return out["score"] if isinstance(out, dict) else out
+    given = {**{k: [v] for k, v in columns.items()}, "ground_truth": [ground_truth], "prompts": [prompt]}
+    out = function([response], **{k: v for k, v in given.items() if takes_all or k in accepted})
+    if not isinstance(out, (list, tuple)) or len(out) != 1:
+        raise TypeError(f"a TRL-style reward function returns one score per completion; for one it returned "
+                        f"{out!r:.200}")
+    return out[0]
+
+
 def _as_score(value: object) -> float:
     if not isinstance(value, numbers.Real):
         raise TypeError(f"the reward function returned {value!r:.200} ({type(value).__name__}), not a number")
@@ -115,6 +165,7 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     sys.path[:] = sys_path
     try:
         function = load_reward_function(spec)
+        convention = reward_convention(function, spec)
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))
         return
@@ -126,9 +177,9 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             return
         if task is None:
             return
-        index, response, ground_truth, prompt = task
+        index, response, ground_truth, prompt, columns = task
         try:
-            score = _as_score(function(response, ground_truth, prompt))
+            score = _as_score(call_reward(function, convention, response, ground_truth, prompt, columns))
         except Exception:
             conn.send(("failed", index, traceback.format_exc()))
         else:
@@ -180,22 +231,29 @@ class RewardFunctionRunner:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         self.spec, self.timeout_s = spec, timeout_s
-        # Loading here too makes a bad spec a ValueError at start-up rather than a worker failure later.
+        # Loading here too makes a bad spec or signature a ValueError at start-up rather than a worker failure later.
         function = load_reward_function(spec)
+        self.convention = reward_convention(function, spec)
         self._inline = function if spec in BUILTIN_REWARDS else None
+        self.last_failed: set[int] = set()  # the items of the last call that failed or timed out
+        self.last_error: str | None = None  # the first failure's traceback in the last call
         self._context = multiprocessing.get_context("spawn")
         self._workers = [] if self._inline is not None else [_Worker(self._context, spec) for _ in range(num_workers)]
         self._logged_error = self._logged_timeout = False
 
     def __call__(
-        self, responses: Sequence[str], ground_truths: Sequence[str | None], prompts: Sequence[str]
+        self, responses: Sequence[str], ground_truths: Sequence[str | None], prompts: Sequence[str],
+        columns: Sequence[dict] | None = None,
     ) -> tuple[list[float], dict[str, int]]:
-        if not len(responses) == len(ground_truths) == len(prompts):
+        """Scores of the items; columns: each item's other data columns (for TRL- and verl-style functions)."""
+        columns = columns if columns is not None else [{}] * len(responses)
+        if not len(responses) == len(ground_truths) == len(prompts) == len(columns):
             raise ValueError(
-                f"got {len(responses)} responses, {len(ground_truths)} ground truths and {len(prompts)} prompts; "
-                "they must be equally many"
+                f"got {len(responses)} responses, {len(ground_truths)} ground truths, {len(prompts)} prompts and "
+                f"{len(columns)} column sets; they must be equally many"
             )
         stats = {"reward_fn/errors": 0, "reward_fn/timeouts": 0}
+        self.last_failed, self.last_error = set(), None
         if self._inline is not None:
             return [float(self._inline(*args)) for args in zip(responses, ground_truths, prompts)], stats
         if not self._workers:
@@ -209,7 +267,8 @@ class RewardFunctionRunner:
                 if todo and worker.ready and worker.index is None:
                     index = todo.popleft()
                     try:
-                        worker.conn.send((index, responses[index], ground_truths[index], prompts[index]))
+                        worker.conn.send((index, responses[index], ground_truths[index], prompts[index],
+                                          columns[index]))
                     except OSError:  # the worker died while idle
                         todo.appendleft(index)
                         self._replace(slot)
@@ -228,6 +287,8 @@ class RewardFunctionRunner:
                     raise RuntimeError(f"a reward worker for {self.spec!r} did not start within {START_TIMEOUT_S} s")
                 elif worker.index is not None:
                     stats["reward_fn/timeouts"] += 1
+                    self.last_failed.add(worker.index)
+                    self.last_error = self.last_error or f"timed out after timeout_s={self.timeout_s} s"
                     if not self._logged_timeout:
                         self._logged_timeout = True
                         logger.warning(
@@ -260,6 +321,7 @@ class RewardFunctionRunner:
         if kind == "scored":
             scores[index] = payload
         else:
+            self.last_failed.add(index)
             self._record_error(stats, payload)
         return 1
 
@@ -273,11 +335,24 @@ class RewardFunctionRunner:
             )
         busy = worker.index is not None
         if busy:
+            self.last_failed.add(worker.index)
             self._record_error(stats, f"the worker process exited with code {worker.process.exitcode} while scoring")
         self._replace(slot)
         return int(busy)
 
+    def check(self, response: str, ground_truth: str | None, prompt: str, columns: dict, where: str) -> None:
+        """One call on one sample before training: ValueError naming `where` and with the traceback when it fails,
+        returns something that is not a finite number, or times out."""
+        try:
+            self([response], [ground_truth], [prompt], [columns])
+        except Exception as e:  # a builtin runs inline and raises here
+            raise ValueError(f"reward function {self.spec!r} failed its start-up call on {where}: {e}") from e
+        if self.last_failed:
+            raise ValueError(f"reward function {self.spec!r} ({self.convention} convention) failed its start-up "
+                             f"call on {where} (response {response!r:.80}):\n{self.last_error}")
+
     def _record_error(self, stats: dict[str, int], description: str) -> None:
+        self.last_error = self.last_error or description
         stats["reward_fn/errors"] += 1
         if not self._logged_error:
             self._logged_error = True

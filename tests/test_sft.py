@@ -37,3 +37,13 @@ def test_sft_two_ranks_saves_a_loadable_model_that_learned(tmp_path):
         loss_after = sft_loss(after, encoded, torch.device("cpu")).item()
     # 10 pairs, 60 steps at lr 1e-2: memorised, far below the ~ln(16) of a random model
     assert loss_after < 0.5 * loss_before, (loss_before, loss_after)
+
+
+def test_chat_message_prompts_are_templated_as_the_ppo_prompts_are():
+    from tasks.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer("0123456789+=")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    [(ids, prompt_len)] = encode_pairs([{"prompt": [{"role": "user", "content": "1+2"}], "response": "3"}], tokenizer)
+    assert tokenizer.decode(ids[:prompt_len]) == "1+2=" and prompt_len == 4
+    assert ids[prompt_len:] == tokenizer("3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

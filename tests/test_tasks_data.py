@@ -45,17 +45,23 @@ def write(rows: list[dict], path, fmt: str):
 FORMATS = ["jsonl", "parquet", "save_to_disk"]
 
 
+def without_columns(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "columns"} for r in records]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_load_text_prompts(tmp_path, fmt):
     path = write(TEXT_ROWS, tmp_path / "data", fmt)
     records = load_prompt_records(path)
-    assert records == [{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in TEXT_ROWS]
+    assert without_columns(records) == [{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in TEXT_ROWS]
+    # every other column reaches the reward functions by name
+    assert [r["columns"] for r in records] == [{k: v for k, v in r.items() if k != "prompt"} for r in TEXT_ROWS]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_load_chat_prompts_with_nested_ground_truth(tmp_path, fmt):
     path = write(CHAT_ROWS, tmp_path / "data", fmt)
-    records = load_prompt_records(path, ground_truth_key="reward_model.ground_truth")
+    records = without_columns(load_prompt_records(path, ground_truth_key="reward_model.ground_truth"))
     assert records == [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in CHAT_ROWS]
 
 
@@ -63,10 +69,10 @@ def test_load_chat_prompts_with_nested_ground_truth(tmp_path, fmt):
 def test_ground_truth_absent_or_numeric(tmp_path, fmt):
     rows = [{"question": "1+2=", "answer": 3}, {"question": "2+2=", "answer": 4}]
     path = write(rows, tmp_path / "data", fmt)
-    assert load_prompt_records(path, prompt_key="question") == [
+    assert without_columns(load_prompt_records(path, prompt_key="question")) == [
         {"prompt": r["question"], "ground_truth": None} for r in rows
     ]
-    assert load_prompt_records(path, prompt_key="question", ground_truth_key="answer") == [
+    assert without_columns(load_prompt_records(path, prompt_key="question", ground_truth_key="answer")) == [
         {"prompt": r["question"], "ground_truth": str(r["answer"])} for r in rows
     ]
 

@@ -171,7 +171,7 @@ def test_runner_argument_errors():
     with pytest.raises(ValueError, match="timeout_s=0"):
         RewardFunctionRunner("tests.user_rewards:char_count", timeout_s=0)
     runner = RewardFunctionRunner("tests.user_rewards:char_count", num_workers=1)
-    with pytest.raises(ValueError, match="2 responses, 1 ground truths and 2 prompts"):
+    with pytest.raises(ValueError, match="2 responses, 1 ground truths, 2 prompts and 2 column sets"):
         runner(["a", "b"], [None], ["", ""])
     runner.close()
     runner.close()
@@ -189,3 +189,37 @@ def test_interpreter_exits_with_runner_left_open():
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
     )
     assert "[0.0, 3.0]" in result.stdout
+
+
+def test_the_three_conventions_get_their_arguments_and_the_data_columns():
+    """meshrl's per-sample function, TRL's batched one (columns as keyword lists) and verl's compute_score (a dict's
+    "score"), each in its own worker process."""
+    with RewardFunctionRunner("tests.user_rewards:trl_style", num_workers=1) as trl:
+        assert trl.convention == "trl"
+        scores, _ = trl(["11", "12"], ["3", "4"], ["p", "q"], [{"bonus": 1}, {"bonus": 0}])
+        assert scores == [1.0 + 10, 0.5]
+    with RewardFunctionRunner("tests.user_rewards:compute_score", num_workers=1) as verl:
+        assert verl.convention == "verl"
+        columns = [{"data_source": "a", "extra_info": {"weight": 0.25}}, {"data_source": "b", "extra_info":
+                                                                           {"weight": 0.0}}]
+        scores, _ = verl([" 7", "8"], ["7", "9"], ["p", "q"], columns)
+        assert scores == [1.25, 0.0]
+    with RewardFunctionRunner("tests.user_rewards:char_count", num_workers=1) as ours:
+        assert ours.convention == "meshrl" and ours(["abc"], [None], ["p"])[0] == [3.0]
+
+
+def test_a_signature_of_no_convention_is_refused_naming_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"two_arguments\(completion, answer\).*TRL: f\(completions"):
+        RewardFunctionRunner("tests.user_rewards:two_arguments", num_workers=1)
+
+
+def test_the_start_up_check_needs_a_finite_number():
+    with RewardFunctionRunner("tests.user_rewards:text_score", num_workers=1) as runner:
+        with pytest.raises(ValueError, match=r"(?s)failed its start-up call on record 1.*not a number"):
+            runner.check("3", "3", "1+2=", {}, "record 1")
+    with RewardFunctionRunner("tests.user_rewards:always_raises", num_workers=1) as runner:
+        runner.check("3", "3", "1+2=", {}, "record 1")  # the ground truth as the response works
+        scores, stats = runner(["3", "x", "y"], ["3", "3", "3"], ["p"] * 3)
+        assert runner.last_failed == {1, 2} and stats["reward_fn/errors"] == 2 and "deliberate" in runner.last_error
+    with pytest.raises(ValueError, match="needs a ground truth"):
+        RewardFunctionRunner("exact_match").check("", None, "p", {}, "the first eval record")

@@ -39,7 +39,10 @@ def ones_fraction(response: str, ground_truth: str | None, prompt: str) -> float
 
 def flaky_ones(response: str, ground_truth: str | None, prompt: str) -> float:
     """ones_fraction, but raises on responses containing "5", and hangs exactly once per test session: on its first
-    call while the file named by MESHRL_TEST_HANG_MARKER does not exist yet."""
+    call while the file named by MESHRL_TEST_HANG_MARKER does not exist yet. The trainer's start-up call (the ground
+    truth as the response) always works."""
+    if response == ground_truth:
+        return ones_fraction(response, ground_truth, prompt)
     marker = os.environ.get("MESHRL_TEST_HANG_MARKER")
     if marker and not os.path.exists(marker):
         open(marker, "w").close()
@@ -60,3 +63,30 @@ def counted_ones(response: str, ground_truth: str | None, prompt: str) -> float:
 def constant(response: str, ground_truth: str | None, prompt: str) -> float:
     """The same score for every response: every GRPO group is flat."""
     return 1.0
+
+
+def trl_style(completions, prompts=None, ground_truth=None, **columns):
+    """TRL's convention: batched, columns as keyword lists; the fraction of "1"s plus 10 x the row's `bonus` column."""
+    return [ones_fraction(c, None, "") + 10 * b for c, b in zip(completions, columns["bonus"])]
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's convention, returning a dict: 1 for an exact answer, plus `extra_info["weight"]`, tagged by source."""
+    return {"score": float(solution_str.strip() == ground_truth) + extra_info["weight"], "source": data_source}
+
+
+def two_arguments(completion, answer):
+    """No convention's signature: refused at start-up."""
+    return 0.0
+
+
+def text_score(response, ground_truth, prompt):
+    """Returns text, not a number: refused at start-up."""
+    return "1.0"
+
+
+def always_raises(response, ground_truth, prompt):
+    """Works on the start-up call (the ground truth as the response), raises on everything the model writes."""
+    if response == ground_truth:
+        return 1.0
+    raise RuntimeError(f"deliberate failure on {response!r}")
