@@ -112,6 +112,8 @@ class DataConfig:
     batch_size: int = 8  # prompts per step, over all data-parallel ranks of the actor pool
     eval_size: int = 0  # 0: the whole eval set
     shuffle: bool = True
+    chat_template: bool | None = None  # null: template chat-message prompts only; true: text prompts too; false: never
+    system_prompt: str | None = None  # a system message first in every templated prompt that has none
 
 
 @dataclass

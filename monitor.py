@@ -100,10 +100,14 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.add_text(tag, text, step)
 
-    def console(self, step: int, total: int, metrics: dict[str, float]) -> None:
+    def console(self, step: int, total: int, metrics: dict[str, float], eta_s: float | None = None) -> None:
+        """One line per log_every steps (also in Slurm logs, where the progress bar is off), with the time left."""
         keys = ("reward/score/mean", "eval/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl",
                 "response_length/mean", "timing_s/step", "perf/throughput")
         parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics]
+        if eta_s is not None:
+            minutes, seconds = divmod(int(round(eta_s)), 60)
+            parts.append(f"eta={minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
         tqdm.write(f"step {step}/{total} " + " ".join(parts))
 
     def progress(self, start: int, total: int) -> tqdm:

@@ -86,12 +86,12 @@ class PPOTrainer:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
                                                            cfg.data.ground_truth_key), self.tokenizer,
-                                       cfg.data.max_prompt_len)
+                                       cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
         self.eval_set = None
         if cfg.data.eval_path:
             self.eval_set = PromptDataset(load_prompt_records(cfg.data.eval_path, cfg.data.prompt_key,
                                                               cfg.data.ground_truth_key), self.tokenizer,
-                                          cfg.data.max_prompt_len)
+                                          cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, seed=cfg.run.seed,
                                      shuffle=cfg.data.shuffle)
         steps_per_epoch = len(self.train_set) // cfg.data.batch_size
@@ -133,8 +133,11 @@ class PPOTrainer:
         run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.pending_save: checkpoint.PendingSave | None = None
+        self.clock: tuple[int, float] | None = None  # (first step, its start time) of this process: the ETA
         if self.rank == 0:
             self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:  # the resolved config of this start
+                yaml.safe_dump(C.to_dict(cfg), f, sort_keys=False)
 
     def _check_rewards(self) -> None:
         """Every reward function called once on the first train and the first eval record, on the reward ranks;
@@ -342,6 +345,7 @@ class PPOTrainer:
             before = self._eval_and_log(0, gather_metrics(startup)).get("eval/score/mean", float("nan"))
         last: dict[str, float] = {}
         bar = self.logger.progress(start, self.total_steps) if self.logger is not None else None
+        self.clock = (start, time.perf_counter())  # for the ETA of the console line
         for step in range(start + 1, self.total_steps + 1):
             began = time.perf_counter()
             local = self.step(step)
@@ -497,7 +501,11 @@ class PPOTrainer:
     def _emit(self, step: int, merged: dict[str, float]) -> None:
         self.logger.log(step, merged)
         if step % self.cfg.run.log_every == 0 or step == self.total_steps:
-            self.logger.console(step, self.total_steps, merged)
+            eta = None
+            if self.clock is not None and step > self.clock[0]:
+                first, began = self.clock
+                eta = (time.perf_counter() - began) / (step - first) * (self.total_steps - step)
+            self.logger.console(step, self.total_steps, merged, eta)
 
 
 STOP_SIGNAL = {"received": False}

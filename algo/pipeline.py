@@ -47,17 +47,23 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
                   replay: ReplayBuffer | None = None, generator: torch.Generator | None = None,
                   reduce: A.Reduce | None = None) -> tuple[Batch, dict[str, float]]:
     """Filters, KL, advantages, resampling and replay for this rank's part of the rollout batch, in the order of the
-    module docstring. batch: scores [B], response_len [B], response_mask, old_logprobs [B, T], ref_logprobs [B, T]
-    (with a KL term), values [B, T] (GAE); the samples of one prompt are `group_size` consecutive rows. algo:
-    config.AlgorithmConfig; kl_ctl: its controller (updated here). Returns the training batch (with advantages,
-    and returns for GAE / REINFORCE++; may be empty) and metrics that are the same on every rank."""
+    module docstring. batch: scores [B], prompt_len and response_len [B], response_mask, old_logprobs [B, T],
+    ref_logprobs [B, T] (with a KL term), values [B, T] (GAE); the samples of one prompt are `group_size`
+    consecutive rows. algo: config.AlgorithmConfig; kl_ctl: its controller (updated here). Returns the training
+    batch (with advantages, and returns for GAE / REINFORCE++; may be empty) and metrics that are the same on every
+    rank."""
     f, kl_cfg = algo.filters, algo.kl
     use_ref = kl_cfg.in_reward or kl_cfg.in_loss
     mask = batch["response_mask"]
     m: dict[str, float] = {}
-    m.update(_prefixed("reward/score", A.global_stats(batch["scores"], reduce)))
+    score_stats = A.global_stats(batch["scores"], reduce)
+    m.update(_prefixed("reward/score", score_stats))
+    m.update(_prefixed("critic/score", {k: v for k, v in score_stats.items() if k != "var"}))  # verl's name
     lengths = batch["response_len"].float()
-    m["response_length/mean"] = _global_mean(lengths, reduce)
+    m.update(_prefixed("response_length", A.global_stats(lengths, reduce)))
+    m.pop("response_length/var", None)
+    m.update({f"prompt_length/{k}": v for k, v in A.global_stats(batch["prompt_len"].float(), reduce).items()
+              if k != "var"})
     m["response_length/clip_ratio"] = _global_mean((lengths >= max_response_len).float(), reduce)
 
     # 1. shaped scores
@@ -80,6 +86,11 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
         m["actor/ref_kl"] = float(A.reduced(k3.double().sum(), reduce) / totals[1].clamp(min=1))
         m["actor/kl_coef"] = kl_ctl.value  # the coefficient this step trains with
         kl_ctl.update(kl_mean, int(totals[2]))
+
+    if group_size > 1 and batch_size(batch):
+        groups = scores.view(-1, group_size)
+        flat = (groups == groups[:, :1]).all(dim=1).float()
+        m["data/flat_group_fraction"] = _global_mean(flat, reduce)  # groups that teach GRPO / RLOO nothing
 
     # 3. filters
     keep = reward_threshold_mask(scores, min_reward, f.filter_ratio)
@@ -118,6 +129,12 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
         else:
             adv = A.rloo(sequence, group_size, mask, group_ids=group_ids)
     batch["advantages"] = adv
+    valid = mask.bool()
+    for name, values in (("advantages", adv), ("returns", batch.get("returns"))):
+        if values is not None:
+            m.update({f"critic/{name}/{k}": v for k, v in A.global_stats(values[valid], reduce).items() if k != "var"})
+    sequence_rewards = token_rewards.sum(-1) if estimator in ("gae", "reinforce_pp") else sequence
+    m.update({f"critic/rewards/{k}": v for k, v in A.global_stats(sequence_rewards, reduce).items() if k != "var"})
 
     # 5. PF-PPO (with replacement: the replay buffer is given the survivors before it, without duplicates)
     fresh, fresh_scores = batch, scores

@@ -140,6 +140,8 @@ class PromptDataset:
     `chat_template`: None applies the tokenizer's chat template to message prompts and tokenises text as is; True
     also wraps text prompts as one user message; False refuses message prompts. Templated prompts end with the
     generation prompt (the assistant header). Text prompts get the tokenizer's own special tokens (e.g. a bos).
+    `system_prompt`: a system message put first in every templated prompt that has none (text prompts must then be
+    templated: chat_template=True).
     Prompts longer than `max_prompt_len` tokens are dropped and counted in `n_dropped_too_long`.
     """
 
@@ -149,6 +151,7 @@ class PromptDataset:
         tokenizer: PreTrainedTokenizerBase,
         max_prompt_len: int,
         chat_template: bool | None = None,
+        system_prompt: str | None = None,
     ):
         if max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be at least 1")
@@ -162,6 +165,9 @@ class PromptDataset:
         for i, record in enumerate(records):
             prompt = _check_prompt(record["prompt"], f"record {i}")
             if isinstance(prompt, str) and not chat_template:
+                if system_prompt is not None:
+                    raise ValueError(f"record {i}: a system prompt is set but this text prompt is not templated; "
+                                     "template text prompts too (data.chat_template=true) or drop the system prompt")
                 prompt_texts.append(prompt)
                 templated.append(False)
                 continue
@@ -173,6 +179,8 @@ class PromptDataset:
                     "set tokenizer.chat_template or give prompts as text"
                 )
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if system_prompt is not None and messages[0].get("role") != "system":
+                messages = [{"role": "system", "content": system_prompt}, *messages]
             prompt_texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
             templated.append(True)
 

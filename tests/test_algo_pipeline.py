@@ -27,7 +27,7 @@ def rollout(groups: int, seed: int = 0, scores: list[float] | None = None, lengt
     old = -torch.rand(b, T, generator=gen, dtype=torch.float64) * 3 * mask
     return {
         "scores": torch.tensor(scores, dtype=torch.float32) if scores is not None else torch.rand(b, generator=gen),
-        "response_len": lens, "response_mask": mask,
+        "response_len": lens, "response_mask": mask, "prompt_len": torch.full((b,), 3),
         "old_logprobs": old, "ref_logprobs": (old - torch.rand(b, T, generator=gen, dtype=torch.float64)) * mask,
         "values": torch.randn(b, T, generator=gen, dtype=torch.float64) * mask,
         "prompt_index": torch.arange(b) // N + 100 * seed,
@@ -155,6 +155,7 @@ def test_everything_filtered_gives_an_empty_batch_not_nan():
     algo = algorithm(adv_estimator="grpo", **{"kl.in_reward": "false", "filters.dynamic_sampling": "true"})
     out, m = prepare(batch, algo)
     assert out["advantages"].shape[0] == 0 and m["data/dropped_groups"] == 2 and m["data/kept_fraction"] == 0
+    assert m["data/flat_group_fraction"] == 1.0 and m["critic/score/mean"] == m["reward/score/mean"] == 1.0
     assert all(v == v for v in m.values()), m
 
 

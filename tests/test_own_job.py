@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import yaml
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
 
 from conftest import explain, run_python
@@ -69,7 +70,11 @@ def test_starting_a_finished_run_again_says_so_and_trains_nothing(assets, tmp_pa
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 2})
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 0, explain(proc)
+    # stdout is a pipe here, as in a Slurm log: the step lines carry the time left
+    assert "step 1/2" in proc.stdout and "eta=0:00:" in proc.stdout, explain(proc)
     before = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text()
+    written = yaml.safe_load((tmp_path / "runs" / "t" / "config.yaml").read_text())
+    assert written["run"]["total_steps"] == 2 and written["actor"]["optim"]["lr"] == 0.003, "the resolved config"
     again = write_config(tmp_path / "c2.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
                          actor={"optim": {"lr": 1e-4}})
     proc = run_python(["train_ppo.py", "--config", again], timeout=300)
@@ -84,3 +89,10 @@ def test_starting_a_finished_run_again_says_so_and_trains_nothing(assets, tmp_pa
     assert proc.returncode == 0, explain(proc)
     assert "changed config" in proc.stderr and "actor.optim.lr: 0.003 -> 0.0001" in proc.stderr, explain(proc)
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2, 3]
+
+
+def test_a_system_prompt_reaches_the_prompt_builder(assets, tmp_path):  # noqa: F811
+    """data.system_prompt on text prompts that are not templated is refused (the char tokenizer has no template)."""
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", data={"system_prompt": "be brief"})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 2 and "data.chat_template=true" in proc.stderr, explain(proc)

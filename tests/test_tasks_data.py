@@ -278,3 +278,18 @@ def test_shard_indices():
         shard_indices(indices, 0, 4)
     with pytest.raises(ValueError, match="rank=3"):
         shard_indices(indices, 3, 3)
+
+
+def test_system_prompt_goes_first_in_templated_prompts():
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text = [{"prompt": "1+2=", "ground_truth": "3"}]
+    with_system = [{"prompt": [{"role": "system", "content": "9"}, {"role": "user", "content": "1+2="}],
+                    "ground_truth": "3"}]
+    made = PromptDataset(text, tokenizer, max_prompt_len=100, chat_template=True, system_prompt="9")
+    assert made[0]["prompt_text"] == PromptDataset(with_system, tokenizer, max_prompt_len=100)[0]["prompt_text"]
+    # a prompt that has its own system message keeps it
+    kept = PromptDataset(with_system, tokenizer, max_prompt_len=100, system_prompt="8")
+    assert kept[0]["prompt_text"] == made[0]["prompt_text"]
+    with pytest.raises(ValueError, match="system prompt is set but this text prompt is not templated"):
+        PromptDataset(text, tokenizer, max_prompt_len=100, system_prompt="9")

@@ -102,7 +102,9 @@ def main() -> None:
             keys = [k for k in logged_one if k not in ("actor/lr", "critic/lr")]
             for key in ("actor/entropy", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
                         "reward/score/max", "reward/score/min", "reward/score/var", "response_length/mean",
-                        "data/kept_fraction", "data/dropped_groups", "actor/reward_kl", "actor/ref_kl"):
+                        "data/kept_fraction", "data/dropped_groups", "actor/reward_kl", "actor/ref_kl",
+                        "critic/score/mean", "critic/rewards/mean", "critic/advantages/max", "prompt_length/mean",
+                        "response_length/max", "data/flat_group_fraction"):
                 assert key in keys, f"{estimator}: {key} not logged: {sorted(keys)}"
             if estimator == "gae":
                 assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var"} <= set(keys), keys
