@@ -177,18 +177,38 @@ def gather_role_state(local: dict[str, dict]) -> dict[str, dict]:
     return {k: v for part in everyone for k, v in part.items()}
 
 
+class ResumeError(ValueError):
+    """Checkpoints are there but none can be resumed: starting over would overwrite them, so the run stops."""
+
+
 def resume(root: str, resume_mode: str, roles: dict) -> tuple[str, dict, dict | None] | None:
     """The newest readable checkpoint for `checkpoint.resume` (auto / never / a folder), loaded into `roles`:
-    (its path, trainer state, this rank's state or None), or None for a fresh start. A corrupt checkpoint is
-    skipped with a warning naming it; an explicit folder that cannot be read raises ValueError."""
+    (its path, trainer state, this rank's state or None), or None for a fresh start (no checkpoint there, or
+    resume=never in a folder that holds none). A corrupt checkpoint is skipped with a warning naming it. ResumeError
+    when checkpoints exist and none could be read (a changed model, every file damaged) or resume=never finds some:
+    a fresh start would rotate away or overwrite checkpoints this run did not write."""
+    if resume_mode == "never":
+        found = [None]
+        if dist.get_rank() == 0:
+            found[0] = complete_checkpoints(root)
+        dist.broadcast_object_list(found, src=0)
+        if found[0]:
+            raise ResumeError(f"checkpoint.resume=never but {root} holds {len(found[0])} checkpoint(s) of an earlier "
+                              "run, which this run's saves would overwrite or rotate away; pick another run.name "
+                              "(or run.output_dir) to start over")
+        return None
+    reasons = []
     for path in candidates(root, resume_mode):
         try:
             state, mine = load(path, roles)
         except RuntimeError as e:
+            reasons.append(f"{os.path.basename(path)}: {str(e).splitlines()[0]:.300}")
             if dist.get_rank() == 0:
                 log.warning("checkpoint %s could not be read (%s); trying the one before", path, e)
             continue
         return path, state, mine
-    if resume_mode not in ("auto", "never"):
-        raise ValueError(f"checkpoint.resume={resume_mode!r}: could not be read")
+    if reasons:
+        raise ResumeError(f"{root} holds checkpoints but none could be resumed ({'; '.join(reasons)}). Nothing was "
+                          "changed. If the model or the layout changed on purpose, start over under another run.name "
+                          "(checkpoint.resume=never in a fresh folder)")
     return None

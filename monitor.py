@@ -3,7 +3,9 @@ console line per step. Other ranks send their metrics to rank 0 with `gather_met
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import math
 import os
 import re
@@ -15,6 +17,26 @@ import warnings
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+
+def lock_run_dir(run_dir: str):
+    """Take the run folder's lock (`run.lock`, an advisory flock the OS releases when the process ends, so a dead
+    run leaves no stale lock). Returns (the open lock file, None), or (None, who holds it) when another live process
+    does."""
+    os.makedirs(run_dir, exist_ok=True)
+    handle = open(os.path.join(run_dir, "run.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return None, holder
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    handle.flush()
+    return handle, None
 
 
 def quiet_libraries() -> None:
@@ -38,6 +60,40 @@ def gather_metrics(local: dict[str, float]) -> dict[str, float]:
         for k, v in metrics.items():
             sums.setdefault(k, []).append(float(v))
     return {k: (sum(v) if k.startswith(SUMMED) else sum(v) / len(v)) for k, v in sorted(sums.items())}
+
+
+def eval_sums(scores: list[float], lengths: list[int], prompt_index: list[int], sources: list) -> dict:
+    """One rank's eval sums: per data source ("" for all; a source only when the records have the column), the
+    samples' score and length sums, how many scored >= 1, and per prompt whether any of its samples did (pass@n)."""
+    sums: dict = {}
+    for score, length, index, source in zip(scores, lengths, prompt_index, sources):
+        for key in {"", source} - {None}:
+            entry = sums.setdefault(key, {"n": 0, "score": 0.0, "length": 0.0, "correct": 0, "passed": {}})
+            entry["n"] += 1
+            entry["score"] += score
+            entry["length"] += length
+            entry["correct"] += score >= 1.0
+            entry["passed"][index] = entry["passed"].get(index, False) or score >= 1.0
+    return sums
+
+
+def eval_metrics(shares: list[dict], n: int) -> dict[str, float]:
+    """eval/score/mean (mean@n), eval/accuracy (share of samples scoring >= 1), eval/response_length/mean, with
+    rollout.eval_n > 1 eval/pass@n (share of prompts with a sample scoring >= 1), and the same per data source as
+    eval/<source>/...; from every rank's eval_sums (a prompt's samples are all on one rank)."""
+    out: dict[str, float] = {}
+    for key in sorted({k for share in shares for k in share}):
+        parts = [share[key] for share in shares if key in share]
+        count = sum(p["n"] for p in parts)
+        prompts = [passed for p in parts for passed in p["passed"].values()]
+        prefix = f"eval/{key}/" if key else "eval/"
+        out[f"{prefix}score/mean"] = sum(p["score"] for p in parts) / count
+        out[f"{prefix}accuracy"] = sum(p["correct"] for p in parts) / count
+        if not key:
+            out["eval/response_length/mean"] = sum(p["length"] for p in parts) / count
+        if n > 1:
+            out[f"{prefix}pass@{n}"] = sum(prompts) / len(prompts)
+    return out
 
 
 # counters add up over ranks (each counted by one rank: tp peers do not repeat them); everything else is a mean,
@@ -77,14 +133,29 @@ class MetricsLogger:
             self.prometheus.set({"step": step, **metrics})
 
     def truncate_after(self, step: int) -> None:
-        """On resume from checkpoint `step`: forget what was logged after it, so every step appears once."""
+        """On resume from checkpoint `step`: forget what was logged after it (metrics.jsonl, eval_samples.jsonl),
+        so every step appears once. A line a kill cut in half is dropped with a warning."""
         self.jsonl.close()
-        path = os.path.join(self.run_dir, "metrics.jsonl")
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        with open(path, "w") as f:
-            f.writelines(kept)
-        self.jsonl = open(path, "a")
+        for name in ("metrics.jsonl", "eval_samples.jsonl"):
+            path = os.path.join(self.run_dir, name)
+            if not os.path.exists(path):
+                continue
+            kept = []
+            with open(path) as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        logging.getLogger("meshrl").warning("%s line %d is not complete JSON (a write cut short); "
+                                                            "dropped", path, number)
+                        continue
+                    if record["step"] <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+            with open(path, "w") as f:
+                f.writelines(kept)
+        self.jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
         if self.tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -28,7 +28,7 @@ from algo.filters import ReplayBuffer
 from algo.kl_control import make_kl_controller
 from algo.pipeline import prepare_batch
 from batch import Batch, fit_width
-from monitor import MetricsLogger, gather_metrics, memory_gb, quiet_libraries
+from monitor import MetricsLogger, eval_metrics, eval_sums, gather_metrics, lock_run_dir, memory_gb, quiet_libraries
 from parallel import comm
 from parallel.distributed import comm_device, env_world, exit_process, init_distributed, reducer, shutdown
 from parallel.layout import Layout, build_layout
@@ -131,6 +131,11 @@ class PPOTrainer:
         self.usage_warnings = comm.UsageWarnings(cfg.comm)
         self.logger = None
         run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
+        # one live run per folder: a second would resume the first's checkpoints and cut its metrics
+        self.lock, holder = lock_run_dir(run_dir) if self.rank == 0 else (None, None)
+        if self._anyone(holder is not None):
+            raise ValueError(f"the run folder {run_dir} is in use by a live run ({holder}); wait for it to end or "
+                             "pick another run.name")
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.pending_save: checkpoint.PendingSave | None = None
         self.clock: tuple[int, float] | None = None  # (first step, its start time) of this process: the ETA
@@ -321,12 +326,12 @@ class PPOTrainer:
         samples = []
         if self.actor is not None:
             s = back["scores"]
-            group = P["actor"].dp_group
-            count = all_reduce_sum(torch.tensor(float(s.numel())), group)
-            local["eval/score/mean"] = float(all_reduce_sum(s.sum(), group) / count)
-            local["eval/accuracy"] = float(all_reduce_sum((s >= 1.0).float().sum(), group) / count)
-            local["eval/response_length/mean"] = float(
-                all_reduce_sum(batch["response_len"].float().sum(), group) / count)
+            prompt_index = batch["prompt_index"].tolist()
+            sources = [self.eval_set[i]["columns"].get("data_source") for i in prompt_index]
+            sums = eval_sums(s.tolist(), batch["response_len"].tolist(), prompt_index, sources)
+            shares: list = [None] * dist.get_world_size(P["actor"].dp_group)
+            dist.all_gather_object(shares, sums, group=P["actor"].dp_group)
+            local = eval_metrics(shares, self.eval_params.n)
             texts = decode_responses(self.tokenizer, batch)
             for i, text in enumerate(texts):
                 index = int(batch["prompt_index"][i])
@@ -565,7 +570,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         result = trainer.fit()
-    except C.ConfigError as e:  # e.g. a finished run started again: nothing was trained or written
+    except (C.ConfigError, checkpoint.ResumeError) as e:  # a finished run started again, unreadable checkpoints:
+        # nothing was trained or written
         if info.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         trainer.close()

@@ -35,7 +35,10 @@ class Reward:
 
     def check_functions(self, samples: list[tuple[str, dict]]) -> str | None:
         """One call of every reward function on each (where, record) before training, with the record's ground truth
-        as the response (any finite number passes): the problem's description, or None."""
+        as the response (any finite number passes): the problem's description, or None. tp rank 0 checks for its
+        peers, as it scores for them."""
+        if self.pool.tp > 1 and self.pool.tp_rank != 0:
+            return None
         for runner, _, _ in self.functions:
             for where, record in samples:
                 try:

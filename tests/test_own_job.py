@@ -23,12 +23,16 @@ def test_verl_style_reward_reads_the_data_columns(assets, tmp_path):  # noqa: F8
                    [{**r, "data_source": "add", "extra_info": {"weight": 5.0}} for r in train])
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
                        data={"train_path": data, "eval_path": data, "eval_size": 4},
+                       rollout={"eval_n": 2, "eval_temperature": 1.0},
                        reward={"functions": [{"spec": "tests.user_rewards:compute_score"}]})
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 0, explain(proc)
-    step = read_metrics(tmp_path / "runs")[1]
+    start, step = read_metrics(tmp_path / "runs")[:2]
     # 5 from extra_info on every sample, plus 1 for an exact answer
     assert 5.0 <= step["reward/score/mean"] <= 6.0 and step["reward/score/min"] >= 5.0, step
+    # eval per data source, and pass@2 over the 2 samples of each prompt (>= the per-sample accuracy)
+    assert start["eval/add/score/mean"] == start["eval/score/mean"] and "eval/add/pass@2" in start, start
+    assert start["eval/pass@2"] >= start["eval/accuracy"], start
 
 
 def test_a_reward_that_returns_text_stops_at_start_up(assets, tmp_path):  # noqa: F811

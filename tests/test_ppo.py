@@ -143,8 +143,9 @@ def test_tp_peers_score_once_and_agree(assets, tmp_path):
     proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=300, MESHRL_TEST_CALLS=calls)
     assert proc.returncode == 0, explain(proc)
     n_eval = len((assets / "test.jsonl").read_text().splitlines())
-    # eval before and after training, then 2 steps of 8 prompts x 4 samples; the tp peer scores nothing
-    assert len(calls.read_text().splitlines()) == 2 * n_eval + 2 * 8 * 4
+    # the start-up call on the first train and eval records, eval before and after training, 2 steps of 8 prompts x 4
+    # samples; the tp peer scores nothing
+    assert len(calls.read_text().splitlines()) == 2 + 2 * n_eval + 2 * 8 * 4
     rows = read_metrics(tmp_path / "runs")
     assert all(r.get("reward_fn/errors", 0) == 0 for r in rows)
 

@@ -1,0 +1,78 @@
+"""Faults that used to lose work (issue 17, part): a resume that can read no checkpoint, two runs in one folder, a
+metrics line cut in half. Real runs of train_ppo.py on the tiny test model, real files, real signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
+
+from conftest import ROOT, explain, run_env, run_python
+from tasks.char_tokenizer import build_char_tokenizer
+from tasks.tiny_model import save_tiny_model
+
+
+def snapshot(folder) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_that_can_read_no_checkpoint_stops_and_keeps_them(assets, tmp_path):  # noqa: F811
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 2})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    run = tmp_path / "runs" / "t"
+    before = snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()
+    # the same run name with another architecture: the checkpoint's shapes do not fit the model
+    wider = tmp_path / "wider"
+    save_tiny_model(wider, build_char_tokenizer("0123456789+="), hidden_size=48, num_layers=2, num_heads=4,
+                    num_kv_heads=2, intermediate_size=64, max_position_embeddings=64, seed=0)
+    changed = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 4},
+                           model={"path": str(wider)})
+    proc = run_python(["train_ppo.py", "--config", changed], timeout=300)
+    assert proc.returncode == 2, explain(proc)
+    assert "holds checkpoints but none could be resumed" in proc.stderr and "another run.name" in proc.stderr
+    assert (snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()) == before, "nothing may change"
+    # starting over on purpose in the same folder is refused too: it would overwrite them
+    proc = run_python(["train_ppo.py", "--config", changed, "checkpoint.resume=never"], timeout=300)
+    assert proc.returncode == 2 and "checkpoint.resume=never but" in proc.stderr, explain(proc)
+    assert snapshot(run / "checkpoints") == before[0]
+
+
+def test_a_second_live_run_in_the_same_folder_is_refused(assets, tmp_path):  # noqa: F811
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 200})
+    first = subprocess.Popen([sys.executable, "train_ppo.py", "--config", cfg], cwd=ROOT, env=run_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 2, explain(proc)
+    assert "is in use by a live run (pid" in proc.stderr, explain(proc)
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-3000:]
+    last = read_metrics(tmp_path / "runs")[-1]["step"]
+    # the lock went with the process: the next start resumes
+    more = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": last + 1})
+    proc = run_python(["train_ppo.py", "--config", more], timeout=300)
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, explain(proc)
+
+
+def test_a_metrics_line_cut_in_half_is_dropped_on_resume(assets, tmp_path):  # noqa: F811
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 2})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "reward/sco')  # a kill in the middle of a write
+    more = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 3})
+    proc = run_python(["train_ppo.py", "--config", more], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "is not complete JSON" in proc.stderr, explain(proc)
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2, 3]
+    samples = (tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()
+    assert [int(s.split(",")[0].split(":")[1]) for s in samples] == [0, 2, 3], "eval samples once per step"
