@@ -33,6 +33,19 @@ def torchrun(script_and_args: list[str], nproc: int, timeout: int = 300, extra: 
     return run_python(cmd, timeout=timeout, **env)
 
 
+def start_run_and_wait(config: str, metrics, lines: int, timeout: float = 120) -> subprocess.Popen:
+    """Start `python train_ppo.py --config CONFIG` in the background and return once `metrics` (its metrics.jsonl)
+    has `lines` lines, or after `timeout` seconds."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "train_ppo.py", "--config", config], cwd=ROOT, env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
+        time.sleep(0.2)
+    return proc
+
+
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 

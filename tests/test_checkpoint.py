@@ -12,7 +12,7 @@ import torch
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, explain, run_env, run_python, torchrun
+from conftest import ROOT, explain, run_env, run_python, start_run_and_wait, torchrun
 
 STRIP = ("timing_s/", "perf/")
 
@@ -85,12 +85,7 @@ def test_resume_keeps_the_controllers_when_rank_0_is_not_an_actor(assets, tmp_pa
 
 def test_sigterm_saves_and_exits_zero_then_resume_finishes(assets, tmp_path):  # noqa: F811
     cfg = config(tmp_path, assets, "c", run={"total_steps": 200})
-    proc = subprocess.Popen([sys.executable, "train_ppo.py", "--config", cfg], cwd=ROOT, env=run_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
+    proc = start_run_and_wait(cfg, tmp_path / "runs" / "t" / "metrics.jsonl", lines=3)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-4000:]

@@ -4,13 +4,10 @@ metrics line cut in half. Real runs of train_ppo.py on the tiny test model, real
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import time
 
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
 
-from conftest import ROOT, explain, run_env, run_python
+from conftest import explain, run_python, start_run_and_wait
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.tiny_model import save_tiny_model
 
@@ -43,12 +40,7 @@ def test_a_resume_that_can_read_no_checkpoint_stops_and_keeps_them(assets, tmp_p
 
 def test_a_second_live_run_in_the_same_folder_is_refused(assets, tmp_path):  # noqa: F811
     cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 200})
-    first = subprocess.Popen([sys.executable, "train_ppo.py", "--config", cfg], cwd=ROOT, env=run_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        time.sleep(0.2)
+    first = start_run_and_wait(cfg, tmp_path / "runs" / "t" / "metrics.jsonl", lines=2)
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 2, explain(proc)
     assert "is in use by a live run (pid" in proc.stderr, explain(proc)
