@@ -18,9 +18,11 @@ import logging
 import math
 import multiprocessing
 import numbers
+import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -80,16 +82,22 @@ def exact_match(response: str, ground_truth: str | None, prompt: str = "") -> fl
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {"gsm8k": gsm8k_match, "exact_match": exact_match}
 
 
-def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
-    """The function a spec names: a builtin ("gsm8k", "exact_match") or "module.path:function"."""
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
+def _check_spec(spec: str) -> tuple[str, str]:
+    """(module, function) of a "module.path:function" spec; ValueError for anything else."""
     module_name, colon, function_name = spec.partition(":")
     if not (colon and module_name and function_name.isidentifier()):
         raise ValueError(
             f"reward function spec {spec!r} is not valid; use one of {sorted(BUILTIN_REWARDS)} "
             "or 'module.path:function'"
         )
+    return module_name, function_name
+
+
+def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
+    """The function a spec names: a builtin ("gsm8k", "exact_match") or "module.path:function"."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module_name, function_name = _check_spec(spec)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -157,11 +165,19 @@ def _as_score(value: object) -> float:
     return score
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A worker busy in a user function never reads its pipe, so it would not see its trainer die (SIGKILL): poll."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     """Worker loop: load the function, say "ready", then score (index, response, ground_truth, prompt) tasks until
     a None task or the parent's end of the pipe closes."""
     # Ctrl-C reaches the whole process group; the parent decides how to shut down, the workers just get stopped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     sys.path[:] = sys_path
     try:
         function = load_reward_function(spec)
@@ -169,7 +185,7 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))
         return
-    conn.send(("ready",))
+    conn.send(("ready", convention))
     while True:
         try:
             task = conn.recv()
@@ -231,10 +247,13 @@ class RewardFunctionRunner:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         self.spec, self.timeout_s = spec, timeout_s
-        # Loading here too makes a bad spec or signature a ValueError at start-up rather than a worker failure later.
-        function = load_reward_function(spec)
-        self.convention = reward_convention(function, spec)
-        self._inline = function if spec in BUILTIN_REWARDS else None
+        # A user module is imported only in the workers, under their start timeout: a module that hangs or fails on
+        # import cannot hang the trainer. Its errors (import, missing function, signature) come back from the first
+        # call as a ValueError with the worker's traceback (the file and line).
+        self._inline = BUILTIN_REWARDS.get(spec)
+        if self._inline is None:
+            _check_spec(spec)
+        self.convention = "meshrl" if self._inline is not None else None  # a user function's: once a worker is up
         self.last_failed: set[int] = set()  # the items of the last call that failed or timed out
         self.last_error: str | None = None  # the first failure's traceback in the last call
         self._context = multiprocessing.get_context("spawn")
@@ -284,7 +303,8 @@ class RewardFunctionRunner:
                     continue
                 elif not worker.ready:
                     self.close()
-                    raise RuntimeError(f"a reward worker for {self.spec!r} did not start within {START_TIMEOUT_S} s")
+                    raise ValueError(f"a reward worker for {self.spec!r} did not start within {START_TIMEOUT_S} s "
+                                     "(importing its module hangs?)")
                 elif worker.index is not None:
                     stats["reward_fn/timeouts"] += 1
                     self.last_failed.add(worker.index)
@@ -310,11 +330,11 @@ class RewardFunctionRunner:
             return self._worker_exited(slot, stats)
         kind = message[0]
         if kind == "ready":
-            worker.ready = True
+            worker.ready, self.convention = True, message[1]
             return 0
         if kind == "init_error":
             self.close()
-            raise RuntimeError(f"a reward worker could not load {self.spec!r}:\n{message[1]}")
+            raise ValueError(f"reward function {self.spec!r} could not be loaded in its worker process:\n{message[1]}")
         _, index, payload = message
         assert index == worker.index, (index, worker.index)
         worker.index = None
@@ -330,8 +350,9 @@ class RewardFunctionRunner:
         worker.process.join(timeout=1.0)
         if not worker.ready:
             self.close()
-            raise RuntimeError(
-                f"a reward worker for {self.spec!r} exited with code {worker.process.exitcode} while starting"
+            raise ValueError(
+                f"a reward worker for {self.spec!r} exited with code {worker.process.exitcode} while starting "
+                "(its module exits on import?)"
             )
         busy = worker.index is not None
         if busy:

@@ -164,8 +164,9 @@ def test_runner_kills_a_hung_worker_and_keeps_working(caplog):
 
 
 def test_runner_argument_errors():
-    with pytest.raises(ValueError, match="no function 'nope'"):
-        RewardFunctionRunner("tests.user_rewards:nope")
+    with RewardFunctionRunner("tests.user_rewards:nope") as missing:  # imported in the workers, not here
+        with pytest.raises(ValueError, match="(?s)could not be loaded in its worker.*no function 'nope'"):
+            missing(["a"], [None], [""])
     with pytest.raises(ValueError, match="num_workers=0"):
         RewardFunctionRunner("tests.user_rewards:char_count", num_workers=0)
     with pytest.raises(ValueError, match="timeout_s=0"):
@@ -195,22 +196,65 @@ def test_the_three_conventions_get_their_arguments_and_the_data_columns():
     """meshrl's per-sample function, TRL's batched one (columns as keyword lists) and verl's compute_score (a dict's
     "score"), each in its own worker process."""
     with RewardFunctionRunner("tests.user_rewards:trl_style", num_workers=1) as trl:
-        assert trl.convention == "trl"
         scores, _ = trl(["11", "12"], ["3", "4"], ["p", "q"], [{"bonus": 1}, {"bonus": 0}])
-        assert scores == [1.0 + 10, 0.5]
+        assert scores == [1.0 + 10, 0.5] and trl.convention == "trl"
     with RewardFunctionRunner("tests.user_rewards:compute_score", num_workers=1) as verl:
-        assert verl.convention == "verl"
         columns = [{"data_source": "a", "extra_info": {"weight": 0.25}}, {"data_source": "b", "extra_info":
                                                                            {"weight": 0.0}}]
         scores, _ = verl([" 7", "8"], ["7", "9"], ["p", "q"], columns)
-        assert scores == [1.25, 0.0]
+        assert scores == [1.25, 0.0] and verl.convention == "verl"
     with RewardFunctionRunner("tests.user_rewards:char_count", num_workers=1) as ours:
-        assert ours.convention == "meshrl" and ours(["abc"], [None], ["p"])[0] == [3.0]
+        assert ours(["abc"], [None], ["p"])[0] == [3.0] and ours.convention == "meshrl"
 
 
 def test_a_signature_of_no_convention_is_refused_naming_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"two_arguments\(completion, answer\).*TRL: f\(completions"):
-        RewardFunctionRunner("tests.user_rewards:two_arguments", num_workers=1)
+    with RewardFunctionRunner("tests.user_rewards:two_arguments", num_workers=1) as runner:
+        with pytest.raises(ValueError, match=r"(?s)two_arguments\(completion, answer\).*TRL: f\(completions"):
+            runner.check("3", "3", "p", {}, "record 1")
+
+
+def test_a_module_that_hangs_on_import_cannot_hang_the_trainer(monkeypatch, tmp_path):
+    """The module is imported in the workers only, under their start timeout."""
+    import tasks.rewards as rewards
+
+    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(3600)\ndef f(r, g, p):\n    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(rewards, "START_TIMEOUT_S", 3.0)
+    began = time.monotonic()
+    runner = RewardFunctionRunner("slow_module:f", num_workers=1)
+    assert time.monotonic() - began < 2.0, "constructing the runner must not import the module"
+    with pytest.raises(ValueError, match="did not start within 3.0 s"):
+        runner.check("", None, "p", {}, "the first train record")
+
+
+def test_a_syntax_error_in_the_module_names_the_file_and_line(monkeypatch, tmp_path):
+    (tmp_path / "broken_module.py").write_text("def f(r, g, p):\n    return (\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with RewardFunctionRunner("broken_module:f", num_workers=1) as runner:
+        with pytest.raises(ValueError, match=r"(?s)broken_module.py\", line 2.*SyntaxError"):
+            runner.check("", None, "p", {}, "the first train record")
+
+
+def test_a_busy_worker_dies_with_its_trainer(tmp_path):
+    """SIGKILL of the process that owns a runner whose worker is inside a long call: the worker follows."""
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(Path(__file__).resolve().parents[1])!r}]\n"
+        "from tasks.rewards import RewardFunctionRunner\n"
+        "if __name__ == '__main__':\n"
+        "    r = RewardFunctionRunner('tests.user_rewards:hangs_on_request', num_workers=1, timeout_s=600)\n"
+        "    print(r._workers[0].process.pid, flush=True)\n"
+        "    r(['hang'], [None], [''])\n")
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker = int(owner.stdout.readline())
+    time.sleep(3.0)  # the worker starts, loads the function and takes the hanging item
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{worker}").exists():
+        time.sleep(0.2)
+    assert not Path(f"/proc/{worker}").exists(), "the worker outlived its trainer"
 
 
 def test_the_start_up_check_needs_a_finite_number():
