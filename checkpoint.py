@@ -188,12 +188,9 @@ def resume(root: str, resume_mode: str, roles: dict) -> tuple[str, dict, dict | 
     when checkpoints exist and none could be read (a changed model, every file damaged) or resume=never finds some:
     a fresh start would rotate away or overwrite checkpoints this run did not write."""
     if resume_mode == "never":
-        found = [None]
-        if dist.get_rank() == 0:
-            found[0] = complete_checkpoints(root)
-        dist.broadcast_object_list(found, src=0)
-        if found[0]:
-            raise ResumeError(f"checkpoint.resume=never but {root} holds {len(found[0])} checkpoint(s) of an earlier "
+        existing = candidates(root, "auto")
+        if existing:
+            raise ResumeError(f"checkpoint.resume=never but {root} holds {len(existing)} checkpoint(s) of an earlier "
                               "run, which this run's saves would overwrite or rotate away; pick another run.name "
                               "(or run.output_dir) to start over")
         return None

@@ -386,9 +386,8 @@ class PPOTrainer:
         return {"before": before, "after": last.get("eval/score/mean", float("nan"))}
 
     def close(self) -> None:
-        for role in (self.actor, self.critic):
-            if role is not None:
-                role.replicas.flush()
+        for role in self._trainers().values():
+            role.replicas.flush()
         if self.reward is not None:
             self.reward.close()
         if self.logger is not None:
@@ -396,11 +395,8 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _trained_roles(self) -> dict:
-        roles = {}
-        for name, role in (("actor", self.actor), ("critic", self.critic)):
-            if role is not None:
-                roles[name] = (role.model, role.optimizer, self.pools[name].io_group)
-        return roles
+        return {name: (role.model, role.optimizer, self.pools[name].io_group)
+                for name, role in self._trainers().items()}
 
     def _stop_flags(self) -> tuple[bool, bool]:
         """(a stop signal arrived on some rank, the actor skipped too many steps in a row): agreed by every rank."""

@@ -25,7 +25,7 @@ from parallel.comm import (
     set_grad_sync,
     sync_now,
 )
-from parallel.distributed import comm_device
+from parallel.distributed import comm_device, reducer
 from parallel.transfer import balanced_bounds
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask")  # [B, L]; every other 2-D key is response-aligned [B, R]
@@ -168,13 +168,9 @@ def mini_batch_count(local_n: int, mini_batch_size: int, group) -> int:
     each rank splits its own samples into that many mini-batches, so no global mini-batch is empty. 0 when no rank
     has a sample: there is nothing to update.
     """
-    counts = torch.tensor([float(local_n), float(local_n)])
-    if group is not None and dist.get_world_size(group) > 1:
-        total = all_reduce_sum(counts[:1], group)
-        biggest = counts[1:].to(comm_device(group))
-        dist.all_reduce(biggest, op=dist.ReduceOp.MAX, group=group)
-        counts = torch.cat([total.cpu(), biggest.cpu()])
-    total, biggest = int(counts[0]), int(counts[1])
+    reduce = reducer(group)
+    count = torch.tensor(float(local_n))
+    total, biggest = int(reduce(count, "sum")), int(reduce(count, "max"))
     if total == 0:
         return 0
     wanted = 1 if mini_batch_size <= 0 else math.ceil(total / mini_batch_size)

@@ -136,24 +136,31 @@ def reward_convention(function: Callable, spec: str) -> str:
     return "meshrl"
 
 
-def call_reward(function: Callable, convention: str, response: str, ground_truth: str | None, prompt: str,
-                columns: dict) -> object:
-    """One sample's reward under `convention`; columns: the sample's other data columns by name."""
+def bind_reward(function: Callable, convention: str) -> Callable[[str, str | None, str, dict], object]:
+    """`call(response, ground_truth, prompt, columns)`: one sample's reward under `convention` (columns: the sample's
+    other data columns by name). The keywords a TRL or verl function accepts are read once, here, not per sample."""
     if convention == "meshrl":
-        return function(response, ground_truth, prompt)
+        return lambda response, ground_truth, prompt, columns: function(response, ground_truth, prompt)
     accepted = inspect.signature(function).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    if convention == "verl":
-        given = {"data_source": columns.get("data_source"), "solution_str": response, "ground_truth": ground_truth,
-                 "extra_info": columns.get("extra_info")}
-        out = function(**{k: v for k, v in given.items() if takes_all or k in accepted})
+
+    def keywords(given: dict) -> dict:
+        return {k: v for k, v in given.items() if takes_all or k in accepted}
+
+    def verl(response, ground_truth, prompt, columns):
+        out = function(**keywords({"data_source": columns.get("data_source"), "solution_str": response,
+                                   "ground_truth": ground_truth, "extra_info": columns.get("extra_info")}))
         return out["score"] if isinstance(out, dict) else out
-    given = {**{k: [v] for k, v in columns.items()}, "ground_truth": [ground_truth], "prompts": [prompt]}
-    out = function([response], **{k: v for k, v in given.items() if takes_all or k in accepted})
-    if not isinstance(out, (list, tuple)) or len(out) != 1:
-        raise TypeError(f"a TRL-style reward function returns one score per completion; for one it returned "
-                        f"{out!r:.200}")
-    return out[0]
+
+    def trl(response, ground_truth, prompt, columns):
+        given = {**{k: [v] for k, v in columns.items()}, "ground_truth": [ground_truth], "prompts": [prompt]}
+        out = function([response], **keywords(given))
+        if not isinstance(out, (list, tuple)) or len(out) != 1:
+            raise TypeError(f"a TRL-style reward function returns one score per completion; for one it returned "
+                            f"{out!r:.200}")
+        return out[0]
+
+    return verl if convention == "verl" else trl
 
 
 def _as_score(value: object) -> float:
@@ -182,6 +189,7 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     try:
         function = load_reward_function(spec)
         convention = reward_convention(function, spec)
+        call = bind_reward(function, convention)
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))
         return
@@ -195,7 +203,7 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             return
         index, response, ground_truth, prompt, columns = task
         try:
-            score = _as_score(call_reward(function, convention, response, ground_truth, prompt, columns))
+            score = _as_score(call(response, ground_truth, prompt, columns))
         except Exception:
             conn.send(("failed", index, traceback.format_exc()))
         else:
