@@ -47,6 +47,7 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = True
     prometheus_port: int | None = None  # rank 0 serves the step metrics at http://HOST:PORT/metrics
+    profile_step: int | None = None  # torch.profiler over this step: profile_step<N>_rank<R>.{txt,json} in the run dir
 
 
 @dataclass

@@ -3,6 +3,7 @@ console line per step. Other ranks send their metrics to rank 0 with `gather_met
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -37,6 +38,29 @@ def lock_run_dir(run_dir: str):
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
     handle.flush()
     return handle, None
+
+
+@contextlib.contextmanager
+def profiled(on: bool, run_dir: str, name: str, top: int = 60):
+    """torch.profiler over the block when `on` (CPU, and CUDA where there is a GPU): `profile_<name>.txt` (the
+    operators and kernels by total device time, else CPU time) and `profile_<name>.json` (a Chrome / Perfetto
+    trace) in run_dir. A no-op otherwise."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    os.makedirs(run_dir, exist_ok=True)
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    with open(os.path.join(run_dir, f"profile_{name}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=90))
+    prof.export_chrome_trace(os.path.join(run_dir, f"profile_{name}.json"))
 
 
 def quiet_libraries() -> None:

@@ -16,6 +16,8 @@ import signal
 import sys
 import time
 
+PROCESS_START = time.perf_counter()  # before the heavy imports below: timing_s/startup of the first step counts them
+
 import torch
 import torch.distributed as dist
 import yaml
@@ -28,7 +30,8 @@ from algo.filters import ReplayBuffer
 from algo.kl_control import make_kl_controller
 from algo.pipeline import prepare_batch
 from batch import Batch, fit_width
-from monitor import MetricsLogger, eval_metrics, eval_sums, gather_metrics, lock_run_dir, memory_gb, quiet_libraries
+from monitor import (MetricsLogger, eval_metrics, eval_sums, gather_metrics, lock_run_dir, memory_gb, profiled,
+                     quiet_libraries)
 from parallel import comm
 from parallel.distributed import comm_device, env_world, exit_process, init_distributed, reducer, shutdown
 from parallel.layout import Layout, build_layout
@@ -130,7 +133,7 @@ class PPOTrainer:
                 self.comm_timer.watch_fsdp(role.model)
         self.usage_warnings = comm.UsageWarnings(cfg.comm)
         self.logger = None
-        run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
+        self.run_dir = run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
         # one live run per folder: a second would resume the first's checkpoints and cut its metrics
         self.lock, holder = lock_run_dir(run_dir) if self.rank == 0 else (None, None)
         if self._anyone(holder is not None):
@@ -353,8 +356,11 @@ class PPOTrainer:
         self.clock = (start, time.perf_counter())  # for the ETA of the console line
         for step in range(start + 1, self.total_steps + 1):
             began = time.perf_counter()
-            local = self.step(step)
+            with profiled(step == cfg.run.profile_step, self.run_dir, f"step{step}_rank{self.rank}"):
+                local = self.step(step)
             local["timing_s/step"] = time.perf_counter() - began
+            if step == start + 1:  # process start to this process's first step: imports, loading, compile, eval
+                local["timing_s/startup"] = began - PROCESS_START
             local["perf/max_memory_allocated_gb"] = memory_gb(self.device)
             local.update(self.comm_timer.pop(local["timing_s/step"]))
             self.usage_warnings.check(local["perf/comm_fraction"], comm.device_memory_fraction(self.device))

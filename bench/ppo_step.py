@@ -1,0 +1,318 @@
+"""End-to-end GRPO step: meshrl against TRL's GRPOTrainer (HF generate, and vLLM colocate), in one session.
+
+    python bench/ppo_step.py                                   # 0.5B and 1.5B, fixed and varying lengths, all systems
+    python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --profile-step 4
+
+The work of ../shared/BENCHMARKS.md: 8 prompts x 8 samples per step, 128 random prompt tokens, up to 256 new tokens,
+temperature 1, no reference model and no KL (beta 0), lr 1e-6, one optimizer step per rollout, bf16 compute, on
+random-init models built from configs/models/<name>.json (weights do not change speed). Lengths:
+- fixed: the only stop is the eos id, which a random model samples with probability ~1/vocab per token, so
+  responses run to 256 tokens (one in ~10 steps has a sequence a little shorter, in every system alike);
+- varying: a fixed set of stop ids, sized so that near-uniform sampling from a random model stops after ~100 tokens
+  on average (the set is printed; the measured mean response length is in the table).
+Each system runs as its own process, one after the other, for --steps steps; "steady" is the median of the steps
+after the first three, "first 3" their sum, "start" the seconds from process start to the first step. For meshrl
+the phases come from its metrics.jsonl (timing_s/gen, old_logprobs, update_actor, reshard); TRL's steps are timed
+by a TrainerCallback (TRL reports no phases). Update MFU: 6 x parameters x trained tokens / update time / peak, with
+--peak-tflops (989 dense bf16 on an H200); trained tokens = prompt + response tokens of the step.
+The reward of every system is the same cheap function of the response text (tests reward speed, not quality).
+TRL needs trl, datasets, dill and multiprocess importable; TRL + vLLM and meshrl's vLLM engine the vLLM bundle
+(../shared/vllm). The last lines are a markdown table for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 8, 128, 256
+MEAN_VARYING = 100
+
+REWARD_MODULE = '''
+def meshrl_reward(response, ground_truth, prompt):
+    return (len(response) % 17) / 17.0
+
+
+def trl_reward(completions, **columns):
+    return [(len(c) % 17) / 17.0 for c in completions]
+'''
+
+
+# ------------------------------------------------------------------------------------------------- assets
+def build_assets(model_name: str, workdir: Path) -> Path:
+    """A random-init bf16 model folder with a word-level tokenizer over its whole vocabulary (token i is word(i), pad
+    0, eos 1); a prompt file (ids from 2 up); the reward module. Returns the model folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(model_name) if model_name.endswith(".json") else ROOT / "configs" / "models" / f"{model_name}.json"
+    fields = json.loads(path.read_text())
+    model_dir = workdir / f"model_{path.stem}"
+    if not (model_dir / "config.json").exists():
+        config = AutoConfig.for_model(**fields)
+        vocab = config.vocab_size
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        tok = Tokenizer(models.WordLevel({word(i): i for i in range(vocab)}, unk_token=word(0)))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=word(1), pad_token=word(0),
+                                       unk_token=word(0))
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+        model.config.eos_token_id, model.config.pad_token_id = 1, 0
+        model.save_pretrained(model_dir)
+        # its own folder for meshrl and TRL: transformers would load a folder with a qwen2 config.json through
+        # Qwen2Tokenizer, which does not read this vocabulary; vLLM reads the copy beside the weights (it gets and
+        # returns token ids only, so its view of the text does not matter)
+        fast.save_pretrained(tokenizer_dir(model_dir))
+        fast.save_pretrained(model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    data = workdir / f"prompts_{vocab}.jsonl"
+    if not data.exists():
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(2, vocab, (64, PROMPT_LEN), generator=gen).tolist()
+        data.write_text("".join(json.dumps({"prompt": " ".join(word(i) for i in row), "ground_truth": ""}) + "\n"
+                                for row in ids))
+    (workdir / "bench_reward.py").write_text(REWARD_MODULE)
+    return model_dir
+
+
+def word(i: int) -> str:
+    """Token i's text: fixed width, so that no token (eos, pad: matched anywhere in a text) is part of another."""
+    return f"t{i:06d}"
+
+
+def tokenizer_dir(model_dir: Path) -> Path:
+    return model_dir.parent / f"tokenizer_{model_dir.name}"
+
+
+def stop_ids(vocab: int, mean: int = MEAN_VARYING) -> list[int]:
+    """k ids such that stopping with probability p = k / vocab per token gives a mean length of `mean` when
+    truncated at NEW_TOKENS: (1 - (1 - p)^N) / p = mean."""
+    lo, hi = 1e-6, 0.5
+    for _ in range(100):
+        p = (lo + hi) / 2
+        length = (1 - (1 - p) ** NEW_TOKENS) / p
+        lo, hi = (p, hi) if length > mean else (lo, p)
+    k = max(1, round(p * vocab))
+    step = vocab // k
+    return [2 + i * step for i in range(k)]  # spread over the vocabulary, never pad or eos
+
+
+# ------------------------------------------------------------------------------------------------- meshrl
+def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: str, extra: list[str],
+               profile_step: int | None, device: str) -> dict:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    data = workdir / f"prompts_{vocab}.jsonl"
+    run_name = f"{name}_{model_dir.name}_{lengths}"
+    overrides = [
+        f"model.path={model_dir}", f"model.tokenizer_path={tokenizer_dir(model_dir)}", f"data.train_path={data}", "data.eval_path=null", f"data.batch_size={PROMPTS}",
+        f"data.max_prompt_len={PROMPT_LEN}", f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}",
+        "rollout.temperature=1.0", "algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false",
+        "algorithm.kl.in_loss=false", "actor.optim.lr=1e-6", "actor.ppo_epochs=1", "actor.mini_batch_size=0",
+        f"run.total_steps={steps}", "run.eval_every=0", "run.log_every=1", f"run.name={run_name}",
+        f"run.output_dir={workdir / 'runs'}", f"run.device={device}", "checkpoint.save_every=0", "checkpoint.resume=never",
+        "reward.num_workers=1", "data.shuffle=false",
+    ]
+    if lengths == "varying":
+        overrides.append("rollout.stop_token_ids=" + json.dumps(stop_ids(vocab)))
+    if profile_step is not None:
+        overrides.append(f"run.profile_step={profile_step}")
+    config = workdir / "bench_ppo_step.yaml"
+    config.write_text("reward:\n  functions:\n    - spec: bench_reward:meshrl_reward\n")
+    env = dict(os.environ, PYTHONPATH=f"{workdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    began = time.time()
+    cmd = [sys.executable, str(ROOT / "train_ppo.py"), "--config", str(config), *overrides, *extra]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    lines = [json.loads(x) for x in (workdir / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if "timing_s/step" in r]
+    out = {"steps": [r["timing_s/step"] for r in rows], "total_s": time.time() - began,
+           "response_len": statistics.mean(r["response_length/mean"] for r in rows),
+           "tokens": statistics.mean(r["perf/throughput"] * r["timing_s/step"] for r in rows)}
+    for phase in ("gen", "old_logprobs", "update_actor", "reshard", "reward", "adv"):
+        out[phase] = [r.get(f"timing_s/{phase}", 0.0) for r in rows]
+    out["start_s"] = rows[0].get("timing_s/startup") if rows else None
+    out["memory_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- TRL
+def trl_worker(spec: dict) -> None:
+    """One TRL GRPOTrainer run in this process; writes its step times to spec["out"]."""
+    t0 = time.time()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    sys.path.insert(0, spec["workdir"])
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import bench_reward
+
+    import torch
+
+    times: list[float] = []
+    first: list[float] = []
+    cuda = torch.cuda.is_available()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.began = time.perf_counter()
+            if not first:
+                first.append(time.time() - t0)
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            times.append(time.perf_counter() - self.began)
+
+    vocab = spec["vocab"]
+    gen_kwargs = {}
+    if spec["lengths"] == "varying":
+        gen_kwargs = {"stop_token_ids": spec["stop_ids"]} if spec["vllm"] else {"eos_token_id": spec["stop_ids"]}
+    args = GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl_out"), per_device_train_batch_size=PROMPTS * SAMPLES,
+        num_generations=SAMPLES, gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=1.0,
+        beta=0.0, learning_rate=1e-6, bf16=cuda, use_cpu=not cuda, max_steps=spec["steps"], logging_steps=1, report_to=[],
+        save_strategy="no", use_vllm=spec["vllm"], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        vllm_enable_sleep_mode=False, generation_kwargs=gen_kwargs or None, dataloader_num_workers=0, seed=0,
+    )
+    data = load_dataset("json", data_files=spec["data"], split="train")
+    tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=bench_reward.trl_reward, args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    Path(spec["out"]).write_text(json.dumps({"steps": times, "start_s": first[0] if first else None,
+                                             "response_len": statistics.mean(lengths) if lengths else None,
+                                             "vocab": vocab}))
+
+
+def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: bool) -> dict:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    out = workdir / f"trl_{model_dir.name}_{lengths}_{int(use_vllm)}.json"
+    spec = {"workdir": str(workdir), "model": str(model_dir), "tokenizer": str(tokenizer_dir(model_dir)), "data": str(workdir / f"prompts_{vocab}.jsonl"),
+            "lengths": lengths, "steps": steps, "vllm": use_vllm, "stop_ids": stop_ids(vocab), "vocab": vocab,
+            "out": str(out)}
+    began = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    result = json.loads(out.read_text())
+    result["total_s"] = time.time() - began
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- report
+def param_count(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                total += math.prod(st.get_slice(k).get_shape())
+    return total
+
+
+def steady(values: list[float]) -> float:
+    tail = values[3:] if len(values) > 3 else values
+    return statistics.median(tail) if tail else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    ap.add_argument("--systems", nargs="+", default=["meshrl", "trl-vllm", "trl"],
+                    choices=["meshrl", "meshrl-vllm", "trl", "trl-vllm"])
+    ap.add_argument("--lengths", nargs="+", default=["fixed", "varying"], choices=["fixed", "varying"])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--trl-steps", type=int, default=6, help="steps of TRL's HF-generate mode (~10 s each)")
+    ap.add_argument("--workdir", default="/tmp/ppo_step")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script with a tiny model")
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--profile-step", type=int, default=None, help="meshrl: torch.profiler over this step")
+    ap.add_argument("--json", default=None, help="also write every result here")
+    ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("extra", nargs="*", help="key=value overrides for meshrl's runs")
+    args = ap.parse_args()
+    if args.trl_worker:
+        trl_worker(json.loads(args.trl_worker))
+        return
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for model in args.models:
+        model_dir = build_assets(model, workdir)
+        params = param_count(model_dir)
+        for lengths in args.lengths:
+            for system in args.systems:
+                if system == "trl" and (lengths == "varying" or model != args.models[0]):
+                    continue  # TRL's HF-generate mode is ~7x slower than its vLLM mode: one point of reference
+                print(f"== {system} {model} {lengths}", flush=True)
+                if system.startswith("meshrl"):
+                    extra = list(args.extra) + (["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
+                                                if system == "meshrl-vllm" else [])
+                    r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step, args.device)
+                else:
+                    r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
+                                system == "trl-vllm")
+                r.update(system=system, model=model, lengths=lengths, params=params)
+                if "error" in r:
+                    print(r["error"], flush=True)
+                else:
+                    print(json.dumps({k: v for k, v in r.items() if k != "error"}), flush=True)
+                results.append(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    report(results, args.peak_tflops)
+
+
+def report(results: list[dict], peak_tflops: float) -> None:
+    head = ("| model | lengths | system | steady s/step | first 3 steps s | start s | mean response | gen s | "
+            "old logp s | update s | update MFU | update tok/s | sync s | vs TRL+vLLM |")
+    print(head)
+    print("|" + " --- |" * (head.count("|") - 1))
+    peers = {(r["model"], r["lengths"]): steady(r["steps"]) for r in results
+             if r["system"] == "trl-vllm" and "error" not in r}
+    for r in results:
+        if "error" in r:
+            print(f"| {r['model']} | {r['lengths']} | {r['system']} | failed (see the log) |" + " |" * 10)
+            continue
+        s = steady(r["steps"])
+        first3 = sum(r["steps"][:3])
+        phases = ["-"] * 6
+        if "update_actor" in r:
+            upd = steady(r["update_actor"])
+            mfu = 6 * r["params"] * r["tokens"] / upd / (peak_tflops * 1e12)
+            phases = [f"{steady(r['gen']):.3f}", f"{steady(r['old_logprobs']):.3f}", f"{upd:.3f}", f"{mfu:.1%}",
+                      f"{r['tokens'] / upd:,.0f}", f"{steady(r['reshard']):.3f}"]
+        peer = peers.get((r["model"], r["lengths"]))
+        ratio = f"{peer / s:.2f}x" if peer else "-"
+        resp = f"{r['response_len']:.0f}" if r.get("response_len") else "-"
+        start = f"{r['start_s']:.0f}" if r.get("start_s") else "-"
+        print(f"| {r['model']} | {r['lengths']} | {r['system']} | {s:.3f} | {first3:.1f} | {start} | {resp} | "
+              + " | ".join(phases) + f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
