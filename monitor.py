@@ -40,6 +40,21 @@ def lock_run_dir(run_dir: str):
     return handle, None
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
+
+
 @contextlib.contextmanager
 def profiled(on: bool, run_dir: str, name: str, top: int = 60):
     """torch.profiler over the block when `on` (CPU, and CUDA where there is a GPU): `profile_<name>.txt` (the

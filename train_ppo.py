@@ -16,8 +16,6 @@ import signal
 import sys
 import time
 
-PROCESS_START = time.perf_counter()  # before the heavy imports below: timing_s/startup of the first step counts them
-
 import torch
 import torch.distributed as dist
 import yaml
@@ -30,8 +28,17 @@ from algo.filters import ReplayBuffer
 from algo.kl_control import make_kl_controller
 from algo.pipeline import prepare_batch
 from batch import Batch, fit_width
-from monitor import (MetricsLogger, eval_metrics, eval_sums, gather_metrics, lock_run_dir, memory_gb, profiled,
-                     quiet_libraries)
+from monitor import (
+    MetricsLogger,
+    eval_metrics,
+    eval_sums,
+    gather_metrics,
+    lock_run_dir,
+    memory_gb,
+    process_age_s,
+    profiled,
+    quiet_libraries,
+)
 from parallel import comm
 from parallel.distributed import comm_device, env_world, exit_process, init_distributed, reducer, shutdown
 from parallel.layout import Layout, build_layout
@@ -359,8 +366,8 @@ class PPOTrainer:
             with profiled(step == cfg.run.profile_step, self.run_dir, f"step{step}_rank{self.rank}"):
                 local = self.step(step)
             local["timing_s/step"] = time.perf_counter() - began
-            if step == start + 1:  # process start to this process's first step: imports, loading, compile, eval
-                local["timing_s/startup"] = began - PROCESS_START
+            if step == start + 1:  # process start to this process's first step: imports, loading, eval
+                local["timing_s/startup"] = process_age_s() - (time.perf_counter() - began)
             local["perf/max_memory_allocated_gb"] = memory_gb(self.device)
             local.update(self.comm_timer.pop(local["timing_s/step"]))
             self.usage_warnings.check(local["perf/comm_fraction"], comm.device_memory_fraction(self.device))

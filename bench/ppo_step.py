@@ -51,7 +51,7 @@ def build_assets(model_name: str, workdir: Path) -> Path:
     """A random-init bf16 model folder with a word-level tokenizer over its whole vocabulary (token i is word(i), pad
     0, eos 1); a prompt file (ids from 2 up); the reward module. Returns the model folder."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     path = Path(model_name) if model_name.endswith(".json") else ROOT / "configs" / "models" / f"{model_name}.json"
@@ -115,12 +115,14 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     data = workdir / f"prompts_{vocab}.jsonl"
     run_name = f"{name}_{model_dir.name}_{lengths}"
     overrides = [
-        f"model.path={model_dir}", f"model.tokenizer_path={tokenizer_dir(model_dir)}", f"data.train_path={data}", "data.eval_path=null", f"data.batch_size={PROMPTS}",
+        f"model.path={model_dir}", f"model.tokenizer_path={tokenizer_dir(model_dir)}", f"data.train_path={data}",
+        "data.eval_path=null", f"data.batch_size={PROMPTS}",
         f"data.max_prompt_len={PROMPT_LEN}", f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}",
         "rollout.temperature=1.0", "algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false",
         "algorithm.kl.in_loss=false", "actor.optim.lr=1e-6", "actor.ppo_epochs=1", "actor.mini_batch_size=0",
         f"run.total_steps={steps}", "run.eval_every=0", "run.log_every=1", f"run.name={run_name}",
-        f"run.output_dir={workdir / 'runs'}", f"run.device={device}", "checkpoint.save_every=0", "checkpoint.resume=never",
+        f"run.output_dir={workdir / 'runs'}", f"run.device={device}", "checkpoint.save_every=0",
+        "checkpoint.resume=never",
         "reward.num_workers=1", "data.shuffle=false",
     ]
     if lengths == "varying":
@@ -157,13 +159,11 @@ def trl_worker(spec: dict) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     sys.path.insert(0, spec["workdir"])
+    import bench_reward
+    import torch
     from datasets import load_dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    import bench_reward
-
-    import torch
 
     times: list[float] = []
     first: list[float] = []
@@ -191,7 +191,8 @@ def trl_worker(spec: dict) -> None:
     args = GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl_out"), per_device_train_batch_size=PROMPTS * SAMPLES,
         num_generations=SAMPLES, gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=1.0,
-        beta=0.0, learning_rate=1e-6, bf16=cuda, use_cpu=not cuda, max_steps=spec["steps"], logging_steps=1, report_to=[],
+        beta=0.0, learning_rate=1e-6, bf16=cuda, use_cpu=not cuda, max_steps=spec["steps"], logging_steps=1,
+        report_to=[],
         save_strategy="no", use_vllm=spec["vllm"], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
         vllm_enable_sleep_mode=False, generation_kwargs=gen_kwargs or None, dataloader_num_workers=0, seed=0,
     )
@@ -209,7 +210,8 @@ def trl_worker(spec: dict) -> None:
 def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: bool) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     out = workdir / f"trl_{model_dir.name}_{lengths}_{int(use_vllm)}.json"
-    spec = {"workdir": str(workdir), "model": str(model_dir), "tokenizer": str(tokenizer_dir(model_dir)), "data": str(workdir / f"prompts_{vocab}.jsonl"),
+    spec = {"workdir": str(workdir), "model": str(model_dir), "tokenizer": str(tokenizer_dir(model_dir)),
+            "data": str(workdir / f"prompts_{vocab}.jsonl"),
             "lengths": lengths, "steps": steps, "vllm": use_vllm, "stop_ids": stop_ids(vocab), "vocab": vocab,
             "out": str(out)}
     began = time.time()
@@ -272,7 +274,8 @@ def main() -> None:
                 if system.startswith("meshrl"):
                     extra = list(args.extra) + (["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
                                                 if system == "meshrl-vllm" else [])
-                    r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step, args.device)
+                    r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step,
+                                   args.device)
                 else:
                     r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
                                 system == "trl-vllm")

@@ -13,13 +13,12 @@ from parallel.layout import Pool
 from roles.modeling import (
     ReplicaSync,
     UpdateMetrics,
-    at_response,
-    forward,
     join_rows,
     load_causal_lm,
     lr_factor,
     make_optimizer,
     micro_batches,
+    response_logits,
     train_mini_batches,
 )
 from rollout.native import NativeEngine, RolloutOutput, SamplingParams
@@ -73,11 +72,9 @@ class Actor:
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of the response tokens under the current weights (teacher-forced)."""
         self.model.eval()
-        out = []
-        for mb in micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group):
-            logits = at_response(forward(self.model, mb), mb)
-            out.append(logprobs_from_logits(logits, mb["response_ids"], temperature))
-        return join_rows(out, batch)
+        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group)
+        out = [logprobs_from_logits(response_logits(self.model, mb), mb["response_ids"], temperature) for mb in micro]
+        return join_rows(out, micro, batch)
 
     def current_lr(self) -> float:
         return self.cfg.optim.lr * lr_factor(self.step_count, self.cfg.optim, self.total_steps) * self.lr_scale
@@ -97,7 +94,7 @@ class Actor:
         metrics = UpdateMetrics()
 
         def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
-            logits = at_response(forward(self.model, mb), mb)
+            logits = response_logits(self.model, mb)
             logp = logprobs_from_logits(logits, mb["response_ids"], temperature)
             m = mb["response_mask"]
             norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)

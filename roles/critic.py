@@ -42,8 +42,8 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """[B, R] V(s_t): the value of the state before each response token."""
         self.model.eval()
-        return join_rows([self._values(mb) for mb in micro_batches(batch, self.cfg.micro_batch_tokens,
-                                                                 self.pool.dp_group)], batch)
+        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group)
+        return join_rows([self._values(mb) for mb in micro], micro, batch)
 
     def update(self, batch: Batch, generator: torch.Generator | None = None) -> dict[str, float]:
         """Clipped value loss on `returns`, around the rollout-time `values`."""

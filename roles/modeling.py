@@ -7,16 +7,18 @@ advantages) are [B, R], token t of row b sitting at position prompt_len[b] + t o
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from algo.advantages import as_bool_mask
-from batch import Batch, batch_size, select
+from batch import Batch, batch_size, fit_width, select
 from parallel.comm import (
     GradCompression,
     ReplicaAverager,
@@ -26,7 +28,6 @@ from parallel.comm import (
     sync_now,
 )
 from parallel.distributed import comm_device, reducer
-from parallel.transfer import balanced_bounds
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask")  # [B, L]; every other 2-D key is response-aligned [B, R]
 
@@ -51,6 +52,9 @@ def load_value_model(path: str, trust_remote_code: bool = False) -> nn.Module:
     )
 
 
+WIDTH_MULTIPLE = 16  # micro-batch widths are rounded up to this: fewer distinct shapes, tensor-core friendly
+
+
 def seq_len(batch: Batch) -> torch.Tensor:
     return batch["prompt_len"] + batch["response_len"]
 
@@ -62,11 +66,25 @@ def response_index(batch: Batch, width: int) -> torch.Tensor:
     return idx.clamp(max=width - 1)
 
 
+def attention_mask(batch: Batch) -> torch.Tensor | None:
+    """[B, L] 1 on each row's tokens; None when the host lengths (micro_batches) say no row is padded: the model then
+    takes the plain causal path (no mask to build, no check of it on the device)."""
+    ids = batch["input_ids"]
+    if "lengths_host" in batch and bool((batch["lengths_host"][:, 1] == ids.shape[1]).all()):
+        return None
+    return (torch.arange(ids.shape[1], device=ids.device)[None] < seq_len(batch)[:, None]).long()
+
+
+# The trainers' forwards never use cuDNN's attention: it builds an execution plan for every new (batch, length)
+# shape, ~1 s a shape on Hopper (seen as 2-3 s spikes in steps whose micro-batches had new widths), and micro-batch
+# shapes change every step. Flash / memory-efficient attention have no per-shape set-up.
+TRAINING_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Per-position outputs [B, L, ...] (logits, values) of the model on `input_ids`."""
-    ids = batch["input_ids"]
-    mask = (torch.arange(ids.shape[1], device=ids.device)[None] < seq_len(batch)[:, None]).long()
-    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    with sdpa_kernel(TRAINING_ATTENTION):
+        return model(input_ids=batch["input_ids"], attention_mask=attention_mask(batch), use_cache=False).logits
 
 
 def at_response(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -77,13 +95,41 @@ def at_response(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
     return outputs.gather(1, idx[..., None].expand(-1, -1, *outputs.shape[2:]))
 
 
-def trim(batch: Batch) -> Batch:
-    """Drop padding columns beyond the longest sample of this (micro-)batch."""
-    if batch_size(batch) == 0:
-        return batch
-    full = int(seq_len(batch).max())
-    resp = max(int(batch["response_len"].max()), 1)
-    return {k: (v[:, :full] if k in FULL_WIDTH_KEYS else v[:, :resp]) if v.dim() >= 2 else v for k, v in batch.items()}
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """A causal LM's logits [B, R, V] at the positions predicting each response token.
+
+    Only the positions from the shortest prompt's last token on reach the LM head (HF's `logits_to_keep`): the
+    [B, L, V] logits of the prompts, a third of the tokens at 128 + 256, are never computed, nor their gradient.
+    Needs the micro-batch's host copy of the lengths (micro_batches adds it); models without `logits_to_keep`
+    (remote code) project every position."""
+    width = batch["input_ids"].shape[1]
+    if "lengths_host" not in batch or not _takes_logits_to_keep(model):
+        return at_response(forward(model, batch), batch)
+    prompts = batch["lengths_host"][:, 0]
+    shortest = int(prompts.min())
+    keep = width - shortest + 1
+    with sdpa_kernel(TRAINING_ATTENTION):
+        logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask(batch), use_cache=False,
+                       logits_to_keep=keep).logits  # [B, keep, V]: positions width - keep ..
+    r = batch["response_mask"].shape[1]
+    if int(prompts.max()) == shortest and r <= keep:
+        return logits[:, :r]  # every prompt equally long: a view, no gather
+    idx = (response_index(batch, width) - (width - keep)).clamp(min=0)
+    return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def trim(batch: Batch, full: int, resp: int) -> Batch:
+    """Cut or right-pad the full-width keys to `full` columns and the response-aligned ones to `resp`."""
+    return {k: (fit_width(v, full) if k in FULL_WIDTH_KEYS else fit_width(v, resp)) if v.dim() >= 2 else v
+            for k, v in batch.items()}
 
 
 def dummy_row(batch: Batch) -> Batch:
@@ -93,25 +139,79 @@ def dummy_row(batch: Batch) -> Batch:
         shape = (1, 1, *v.shape[2:]) if v.dim() >= 2 else (1, *v.shape[1:])
         out[k] = torch.zeros(shape, dtype=v.dtype, device=v.device)
     out["prompt_len"] = torch.ones_like(out["prompt_len"])
+    out["lengths_host"] = torch.tensor([[1, 1]])
+    out["row_index"] = torch.full((1,), -1, dtype=torch.long)
     return out
 
 
-def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | None) -> list[Batch]:
-    """Split a rank's samples into consecutive micro-batches of at most ~token_budget padded tokens.
+def greedy_runs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Samples sorted longest first, cut into contiguous runs of at most `budget` padded tokens (rows x the run's
+    longest; a longer sample is a run by itself). Returns sample indices per run."""
+    runs: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if runs and (len(runs[-1]) + 1) * lengths[runs[-1][0]] <= budget:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
-    Every rank of `group` (the data-parallel group) gets the same number of micro-batches, because each
-    forward of an FSDP model is a collective; a rank with fewer samples gets smaller ones, or all-padding rows.
+
+def length_groups(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split samples into at most `parts` groups of similar lengths with the least padding: sorted longest first,
+    cut into contiguous runs whose padded size (rows x longest) is at most the smallest budget that needs no more
+    than `parts` runs (binary search). Then, while fewer than `parts` groups exist, the costliest group with two
+    rows or more is halved, so every rank does real work in every micro-batch. Returns sample indices per group."""
+    if not lengths:
+        return []
+    lo, hi = max(lengths), len(lengths) * max(lengths)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if len(greedy_runs(lengths, mid)) > parts else (lo, mid)
+    groups = greedy_runs(lengths, lo)
+    while len(groups) < parts:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            break
+        g = max(splittable, key=lambda g: len(g) * lengths[g[0]])
+        at = groups.index(g)
+        groups[at:at + 1] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | None) -> list[Batch]:
+    """Split a rank's samples into micro-batches of at most ~token_budget padded tokens, similar lengths together.
+
+    The count is the one a budget of token_budget needs (rows x longest, samples sorted by length), the largest
+    over the ranks of `group` (the data-parallel group): every rank runs the same number of forwards, because each
+    forward of an FSDP model is a collective. Within that count the samples are grouped by length with the least
+    padding (length_groups); a rank with fewer samples than micro-batches gets all-padding rows. Widths are rounded
+    up to WIDTH_MULTIPLE. Each micro-batch carries `row_index` (its rows' indices in `batch`, -1 for padding rows;
+    join_rows puts outputs back in order) and `lengths_host` ([b, 2] prompt and full lengths on the host, for the
+    logits window and the attention mask).
+    One host sync: the lengths.
     """
     n = batch_size(batch)
-    width = int(seq_len(batch).max()) if n else 1
-    count = torch.tensor([max(1, math.ceil(n * width / max(token_budget, 1)))])
+    lengths = torch.stack([batch["prompt_len"], batch["response_len"]]).cpu() if n else torch.zeros(2, 0)
+    full = (lengths[0] + lengths[1]).tolist()
+    rounded = [_round_up(x, WIDTH_MULTIPLE) for x in full]
+    count = torch.tensor([float(max(1, len(greedy_runs(rounded, max(token_budget, 1)))))])
     if group is not None and dist.get_world_size(group) > 1:
         count = count.to(comm_device(group))
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    bounds = balanced_bounds(n, int(count))
-    out = [trim(select(batch, slice(lo, hi))) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-    # padding rows go last, so the outputs of the real rows come first, in order (see join_rows)
-    return out + [dummy_row(batch)] * (int(count) - len(out))
+    count = int(count)
+    out = []
+    by_length = sorted(range(n), key=lambda i: -full[i])  # ties of the rounded widths: the longest first
+    for group in length_groups([rounded[i] for i in by_length], count):
+        rows = [by_length[j] for j in group]
+        index = torch.tensor(sorted(rows), dtype=torch.long)
+        width = max(rounded[i] for i in rows)
+        resp = max(int(lengths[1, index].max()), 1)
+        mb = trim(select(batch, index.to(batch["prompt_len"].device)), width, resp)
+        mb["lengths_host"] = torch.stack([lengths[0, index], lengths[0, index] + lengths[1, index]], 1).long()
+        mb["row_index"] = index
+        out.append(mb)
+    # padding rows go last (see join_rows)
+    return out + [dummy_row(batch)] * (count - len(out))
 
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -146,8 +246,12 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> torch.Tensor:
 def make_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """AdamW (config.OptimConfig); the learning rate is set before each update from `lr_factor`."""
     params = [p for p in model.parameters() if p.requires_grad]
+    # the fused kernel (one launch for all parameters) where every parameter is on the GPU and on one mesh
+    # (TP + FSDP parameters live on two meshes: the default multi-tensor path handles those)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params) and \
+        len({getattr(p, "device_mesh", None) for p in params}) == 1
     return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay)
+                             weight_decay=optim_cfg.weight_decay, fused=fused or None)
 
 
 def lr_factor(step: int, optim_cfg, total_steps: int) -> float:
@@ -177,19 +281,30 @@ def mini_batch_count(local_n: int, mini_batch_size: int, group) -> int:
     return min(wanted, biggest)
 
 
-def join_rows(parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-    """Concatenate per-micro-batch [b, r] outputs back to [B, R] (dropping rows added for empty ranks)."""
+def join_rows(parts: list[torch.Tensor], micro: list[Batch], batch: Batch) -> torch.Tensor:
+    """Per-micro-batch [b, r] outputs back to [B, R] in the batch's row order (micro-batches from micro_batches;
+    padding rows dropped), zero beyond each response."""
     n, width = batch_size(batch), batch["response_mask"].shape[1]
     out = torch.zeros((n, width), dtype=torch.float32, device=batch["response_mask"].device)
-    row = 0
-    for p in parts:
-        take = min(p.shape[0], n - row)
-        if take <= 0:
-            break
-        out[row : row + take, : p.shape[1]] = p[:take].float()
-        row += take
-    assert row == n, "micro-batch outputs do not cover the batch"
+    covered = 0
+    for p, mb in zip(parts, micro):
+        real = mb["row_index"] >= 0
+        if not bool(real.any()):
+            continue
+        rows, cols = mb["row_index"][real], min(p.shape[1], width)
+        out[rows.to(out.device), :cols] = p[real.to(p.device), :cols].float()
+        covered += int(real.sum())
+    assert covered == n, "micro-batch outputs do not cover the batch"
     return out * as_bool_mask(batch["response_mask"], batch["response_mask"].shape)
+
+
+def join_values(parts: list[torch.Tensor], micro: list[Batch], n: int) -> torch.Tensor:
+    """Per-micro-batch [b] outputs back to [n] in the batch's row order (padding rows dropped)."""
+    out = torch.zeros(n, dtype=torch.float32, device=parts[0].device if parts else None)
+    for p, mb in zip(parts, micro):
+        real = mb["row_index"] >= 0
+        out[mb["row_index"][real].to(out.device)] = p[real.to(p.device)].float()
+    return out
 
 
 class UpdateMetrics:

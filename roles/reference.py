@@ -8,7 +8,7 @@ from algo.losses import logprobs_from_logits
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
-from roles.modeling import at_response, forward, join_rows, load_causal_lm, micro_batches
+from roles.modeling import join_rows, load_causal_lm, micro_batches, response_logits
 
 
 class Reference:
@@ -23,6 +23,7 @@ class Reference:
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of the response tokens under the reference policy."""
         out = []
-        for mb in micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group):
-            out.append(logprobs_from_logits(at_response(forward(self.model, mb), mb), mb["response_ids"], temperature))
-        return join_rows(out, batch)
+        micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group)
+        for mb in micro:
+            out.append(logprobs_from_logits(response_logits(self.model, mb), mb["response_ids"], temperature))
+        return join_rows(out, micro, batch)

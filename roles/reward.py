@@ -9,7 +9,7 @@ from batch import Batch
 from parallel.distributed import reducer
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
-from roles.modeling import forward, load_value_model, micro_batches, seq_len
+from roles.modeling import forward, join_values, load_value_model, micro_batches, seq_len
 from tasks.rewards import RewardFunctionRunner
 
 
@@ -72,10 +72,11 @@ class Reward:
         texts = decode_responses(self.tokenizer, batch)
         if self.model is not None:
             parts = []
-            for mb in micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group):
+            micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group)
+            for mb in micro:
                 values = forward(self.model, mb).squeeze(-1).float()
                 parts.append(values.gather(1, (seq_len(mb) - 1).clamp(min=0)[:, None]).squeeze(1))
-            model_scores = torch.cat(parts)[:n]
+            model_scores = join_values(parts, micro, n).to(device)
             total += self.cfg.model_weight * model_scores
             sums["reward/model_score/mean"] = float(model_scores.sum())
         if self.functions:

@@ -1,0 +1,167 @@
+"""The training-side batch layout: length-grouped micro-batches, the logits window, joining outputs back in order."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from algo.losses import logprobs_from_logits
+from batch import batch_size
+from roles.modeling import (
+    WIDTH_MULTIPLE,
+    at_response,
+    attention_mask,
+    forward,
+    greedy_runs,
+    join_rows,
+    length_groups,
+    micro_batches,
+    response_logits,
+)
+
+
+def tiny_lm(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def random_batch(prompt_lens: list[int], response_lens: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The rollout layout (batch.py): prompt then response, right-padded; response-aligned [B, R] tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    n, width, r = len(prompt_lens), max(p + q for p, q in zip(prompt_lens, response_lens)), max(response_lens)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    response_ids = torch.zeros(n, r, dtype=torch.long)
+    mask = torch.zeros(n, r, dtype=torch.bool)
+    for i, (p, q) in enumerate(zip(prompt_lens, response_lens)):
+        row = torch.randint(1, 97, (p + q,), generator=gen)
+        ids[i, : p + q] = row
+        response_ids[i, :q] = row[p:]
+        mask[i, :q] = True
+    return {"input_ids": ids, "prompt_len": torch.tensor(prompt_lens), "response_len": torch.tensor(response_lens),
+            "response_ids": response_ids, "response_mask": mask,
+            "advantages": torch.randn(n, r, generator=gen) * mask}
+
+
+def best_contiguous_cost(lengths: list[int], parts: int) -> int:
+    """The slow, obvious answer: every way of cutting the longest-first order into at most `parts` runs; the
+    smallest possible cost of the costliest run (rows x its longest)."""
+    ordered = sorted(lengths, reverse=True)
+    n, best = len(ordered), None
+    for k in range(1, min(parts, n) + 1):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = [0, *cuts, n]
+            cost = max((hi - lo) * ordered[lo] for lo, hi in zip(bounds, bounds[1:]))
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_length_groups_cover_every_sample_with_the_least_padding(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 8))]
+    parts = rng.randint(1, 5)
+    groups = length_groups(lengths, parts)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert len(groups) == min(parts, len(lengths))
+    cost = max(len(g) * max(lengths[i] for i in g) for g in groups)
+    assert cost <= best_contiguous_cost(lengths, parts)
+
+
+def test_greedy_runs_respect_the_budget():
+    lengths = [30, 10, 10, 25, 5, 50]
+    runs = greedy_runs(lengths, 60)
+    assert sorted(i for r in runs for i in r) == list(range(6))
+    for r in runs:  # a sample longer than the budget is alone; otherwise rows x longest <= budget
+        assert len(r) == 1 or len(r) * max(lengths[i] for i in r) <= 60
+
+
+def test_micro_batches_group_by_length_and_join_back_in_order():
+    prompts, responses = [3, 5, 2, 4, 6, 3, 2, 5], [20, 2, 30, 3, 25, 1, 4, 28]
+    batch = random_batch(prompts, responses)
+    full = [p + q for p, q in zip(prompts, responses)]
+    rounded = [-(-x // WIDTH_MULTIPLE) * WIDTH_MULTIPLE for x in full]
+    budget = 3 * 48
+    micro = micro_batches(batch, token_budget=budget, group=None)
+    assert len(micro) == len(greedy_runs(rounded, budget))
+    seen = sorted(int(i) for mb in micro for i in mb["row_index"] if i >= 0)
+    assert seen == list(range(8))
+    # similar lengths together: the micro-batches are runs of the longest-first order
+    spans = sorted(([rounded[i] for i in mb["row_index"].tolist()] for mb in micro), key=max, reverse=True)
+    for longer, shorter in zip(spans, spans[1:]):
+        assert min(longer) >= max(shorter)
+    for mb in micro:
+        rows = mb["row_index"].tolist()
+        assert mb["input_ids"].shape[1] == max(rounded[i] for i in rows)
+        assert len(rows) * mb["input_ids"].shape[1] <= budget
+        assert torch.equal(mb["lengths_host"], torch.tensor([[prompts[i], full[i]] for i in rows]))
+    # less padding than the same number of consecutive slices of the batch, as the micro-batches were cut before
+    padded = sum(batch_size(mb) * mb["input_ids"].shape[1] for mb in micro)
+    bounds = [(8 * j) // len(micro) for j in range(len(micro) + 1)]
+    consecutive = sum((hi - lo) * max(rounded[lo:hi]) for lo, hi in zip(bounds, bounds[1:]))
+    assert padded < consecutive
+    # outputs come back to their rows: each micro-batch returns its row indices as values
+    parts = [mb["row_index"].float()[:, None].expand(-1, mb["response_mask"].shape[1]) for mb in micro]
+    joined = join_rows(parts, micro, batch)
+    expected = torch.arange(8).float()[:, None] * batch["response_mask"]
+    assert torch.equal(joined, expected)
+
+
+def test_response_logits_equal_the_full_forward_and_keep_only_the_window():
+    model = tiny_lm()
+    head_positions = []
+    model.lm_head.register_forward_hook(lambda m, i, o: head_positions.append(i[0].shape[1]))
+    for prompts in ([4, 4, 4], [4, 7, 2]):  # equal prompts (a view) and unequal ones (a gather)
+        batch = random_batch(prompts, [6, 3, 5], seed=len(set(prompts)))
+        (mb,) = micro_batches(batch, token_budget=10_000, group=None)
+        head_positions.clear()
+        full = at_response(forward(model, mb), mb)
+        assert head_positions == [mb["input_ids"].shape[1]]
+        head_positions.clear()
+        window = response_logits(model, mb)
+        # the head sees the positions from the shortest prompt's last token on, not the whole width
+        assert head_positions == [mb["input_ids"].shape[1] - min(prompts) + 1]
+        mask = mb["response_mask"]
+        torch.testing.assert_close(window[mask], full[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_windowed_micro_batches_give_the_loss_and_gradients_of_one_padded_forward():
+    """The old path (one forward of the whole right-padded batch, logits at every position, gathered) and the
+    new one (length-grouped micro-batches, widths rounded, the logits window, outputs joined back) must train
+    the same: equal per-token log-probs, equal loss, equal gradients."""
+    prompts, responses = [3, 9, 2, 5, 4, 6, 4, 6], [12, 2, 15, 7, 1, 9, 12, 10]
+    batch = random_batch(prompts, responses, seed=3)
+    mask = batch["response_mask"]
+    tokens = mask.sum()
+
+    def loss_of(logp: torch.Tensor, adv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return -(logp * adv * m).sum() / tokens
+
+    reference = tiny_lm(seed=1)
+    logp_ref = logprobs_from_logits(at_response(forward(reference, batch), batch), batch["response_ids"])
+    loss_ref = loss_of(logp_ref, batch["advantages"], mask)
+    loss_ref.backward()
+
+    model = tiny_lm(seed=1)
+    micro = micro_batches(batch, token_budget=2 * WIDTH_MULTIPLE, group=None)
+    assert len(micro) > 1
+    # the two rows of exactly WIDTH_MULTIPLE tokens share a micro-batch that needs no attention mask
+    assert any(attention_mask(mb) is None for mb in micro)
+    assert any(attention_mask(mb) is not None for mb in micro)
+    total, parts = 0.0, []
+    for mb in micro:
+        logp = logprobs_from_logits(response_logits(model, mb), mb["response_ids"])
+        loss = loss_of(logp, mb["advantages"], mb["response_mask"])
+        loss.backward()
+        total += float(loss.detach())
+        parts.append(logp.detach())
+    torch.testing.assert_close(join_rows(parts, micro, batch), logp_ref.detach() * mask, rtol=1e-5, atol=1e-6)
+    assert total == pytest.approx(float(loss_ref.detach()), rel=1e-5, abs=1e-7)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
