@@ -35,6 +35,7 @@ STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idl
 MIN_BATCH_BUCKET = 8
 CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
+COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
 
 
 class SlotState(NamedTuple):
@@ -281,7 +282,7 @@ class SlotEngine:
         if not compiled:
             return fn
         if fn.__name__ not in self._compiled:
-            self._compiled[fn.__name__] = torch.compile(fn, fullgraph=True)
+            self._compiled[fn.__name__] = torch.compile(fn, fullgraph=True, dynamic=COMPILE_DYNAMIC)
         return self._compiled[fn.__name__]
 
     def _slot_count(self, w: DecoderWeights, slot_len: int, longest: int, num_seqs: int, device) -> int:
