@@ -30,11 +30,13 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 8, 128, 256
 MEAN_VARYING = 100
+WHOLE_STEP = PROMPTS * SAMPLES * (PROMPT_LEN + NEW_TOKENS)
 
 REWARD_MODULE = '''
 def meshrl_reward(response, ground_truth, prompt):
@@ -113,7 +115,7 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
                profile_step: int | None, device: str) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     data = workdir / f"prompts_{vocab}.jsonl"
-    run_name = f"{name}_{model_dir.name}_{lengths}"
+    run_name = f"{name}_{model_dir.name}_{lengths}_{zlib.crc32(' '.join(extra).encode()):08x}"
     overrides = [
         f"model.path={model_dir}", f"model.tokenizer_path={tokenizer_dir(model_dir)}", f"data.train_path={data}",
         "data.eval_path=null", f"data.batch_size={PROMPTS}",
@@ -253,6 +255,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script with a tiny model")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile-step", type=int, default=None, help="meshrl: torch.profiler over this step")
+    ap.add_argument("--micro-batch-tokens", type=int, default=WHOLE_STEP,
+                    help="meshrl's actor.micro_batch_tokens (default: the whole step's 64 x 384 tokens in one forward, "
+                         "as TRL's per_device_train_batch_size=64 here; meshrl's own default is 8192)")
     ap.add_argument("--json", default=None, help="also write every result here")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("extra", nargs="*", help="key=value overrides for meshrl's runs")
@@ -272,14 +277,17 @@ def main() -> None:
                     continue  # TRL's HF-generate mode is ~7x slower than its vLLM mode: one point of reference
                 print(f"== {system} {model} {lengths}", flush=True)
                 if system.startswith("meshrl"):
-                    extra = list(args.extra) + (["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
-                                                if system == "meshrl-vllm" else [])
+                    extra = [f"actor.micro_batch_tokens={args.micro_batch_tokens}", *args.extra]
+                    if system == "meshrl-vllm":
+                        extra += ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
                     r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step,
                                    args.device)
                 else:
                     r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
                                 system == "trl-vllm")
-                r.update(system=system, model=model, lengths=lengths, params=params)
+                r.update(system=system if not system.startswith("meshrl") or args.micro_batch_tokens == WHOLE_STEP else
+                         f"{system} (micro-batch {args.micro_batch_tokens})", model=model, lengths=lengths,
+                         params=params)
                 if "error" in r:
                     print(r["error"], flush=True)
                 else:

@@ -5,9 +5,10 @@ called --calls times in one fresh process per variant, on a random-init model (c
     python bench/warmup.py --variants default --lengths varying
 
 Variants (each in its own process, so each pays its own compile):
-- default: the engine as configured by default (torch.compile of the decode pieces, CUDA graphs);
-- no-cudnn: cuDNN's attention backend off (torch.backends.cuda.enable_cudnn_sdp(False)): it builds an execution
-  plan for every new attention shape;
+- default: the engine as configured by default (torch.compile of the decode pieces, CUDA graphs, SDPA without
+  cuDNN: rollout.api.ATTENTION_BACKENDS);
+- cudnn: cuDNN's attention allowed too (the engine before it was left out; it builds an execution plan for every
+  new attention shape);
 - dynamic: the decode pieces compiled with dynamic=True (one compile with symbolic shapes instead of one per shape,
   then a recompile when dynamo sees a second shape);
 - no-compile: CUDA graphs of the eager decode step.
@@ -27,19 +28,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("default", "no-cudnn", "dynamic", "no-compile")
+VARIANTS = ("default", "cudnn", "dynamic", "no-compile")
 
 
 def one_variant(model_name: str, variant: str, lengths: str, calls: int) -> dict:
     import torch
+    from torch.nn.attention import SDPBackend
 
+    import rollout.api as api
     import rollout.slots as slots
     from bench.rollout import build_model
     from rollout.native import NativeEngine, SamplingParams
 
     began = time.perf_counter()
-    if variant == "no-cudnn":
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    if variant == "cudnn":
+        api.ATTENTION_BACKENDS.insert(0, SDPBackend.CUDNN_ATTENTION)
     if variant == "dynamic":
         slots.COMPILE_DYNAMIC = True
     model = build_model(model_name, torch.device("cuda"))

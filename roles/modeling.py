@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from algo.advantages import as_bool_mask
@@ -28,6 +28,7 @@ from parallel.comm import (
     sync_now,
 )
 from parallel.distributed import comm_device, reducer
+from rollout.api import ATTENTION_BACKENDS
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask")  # [B, L]; every other 2-D key is response-aligned [B, R]
 
@@ -75,15 +76,9 @@ def attention_mask(batch: Batch) -> torch.Tensor | None:
     return (torch.arange(ids.shape[1], device=ids.device)[None] < seq_len(batch)[:, None]).long()
 
 
-# The trainers' forwards never use cuDNN's attention: it builds an execution plan for every new (batch, length)
-# shape, ~1 s a shape on Hopper (seen as 2-3 s spikes in steps whose micro-batches had new widths), and micro-batch
-# shapes change every step. Flash / memory-efficient attention have no per-shape set-up.
-TRAINING_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Per-position outputs [B, L, ...] (logits, values) of the model on `input_ids`."""
-    with sdpa_kernel(TRAINING_ATTENTION):
+    with sdpa_kernel(ATTENTION_BACKENDS):
         return model(input_ids=batch["input_ids"], attention_mask=attention_mask(batch), use_cache=False).logits
 
 
@@ -112,7 +107,7 @@ def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     prompts = batch["lengths_host"][:, 0]
     shortest = int(prompts.min())
     keep = width - shortest + 1
-    with sdpa_kernel(TRAINING_ATTENTION):
+    with sdpa_kernel(ATTENTION_BACKENDS):
         logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask(batch), use_cache=False,
                        logits_to_keep=keep).logits  # [B, keep, V]: positions width - keep ..
     r = batch["response_mask"].shape[1]
@@ -225,21 +220,33 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
 def grad_norm_and_clip(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Global L2 norm of the gradients (sharded DTensors included), then scale them to at most max_norm.
 
-    Written per parameter rather than with clip_grad_norm_ because TP+FSDP parameters live on different meshes.
-    A non-finite norm leaves the gradients untouched: the caller skips that optimizer step.
+    Gradients are grouped by mesh and placements (TP + FSDP parameters live on different meshes, which one
+    multi-tensor call cannot mix): per group one multi-tensor norm and one reduction of the group's DTensor norm to
+    a plain tensor, then one multi-tensor scale. A non-finite norm leaves the gradients untouched: the caller skips
+    that optimizer step. Returns a 0-dim float32 tensor on the gradients' device.
     """
-    total = None
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    for g in grads:
-        sq = g.detach().float().pow(2).sum()
-        if hasattr(sq, "full_tensor"):
-            sq = sq.full_tensor()
-        total = sq if total is None else total + sq
-    norm = total.sqrt() if total is not None else torch.zeros(())
-    if max_norm > 0 and torch.isfinite(norm):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device) if not hasattr(g, "device_mesh") else coef.item())
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device, g.dtype, getattr(g, "device_mesh", None), tuple(getattr(g, "placements", ())))
+            groups.setdefault(key, []).append(g)
+    squares = []
+    for grads in groups.values():
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        squares.append(norm.square())
+    if not squares:
+        return torch.zeros(())
+    device = squares[0].device
+    norm = torch.stack([sq.to(device) for sq in squares]).sum().sqrt()
+    if max_norm > 0:
+        # no host sync: a non-finite norm gives a coefficient of 1 (gradients untouched, the step is skipped)
+        coef = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
+        for grads in groups.values():
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            torch._foreach_mul_(local, coef.to(local[0].device, local[0].dtype))
     return norm
 
 

@@ -1,8 +1,17 @@
-"""What a rollout engine takes and returns: SamplingParams in, RolloutOutput out."""
+"""What a rollout engine takes and returns: SamplingParams in, RolloutOutput out; the attention kernels meshrl's own
+forwards (native engine, trainers) may use."""
 
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend
+
+# SDPA without cuDNN's backend, for the native engine and the trainers' forwards: cuDNN builds an execution plan for
+# every new attention shape (~0.5 s each on an H200), and rollout shapes (prompt widths, batch and context buckets,
+# slot lengths) and micro-batch widths change from call to call. Measured (bench/warmup.py, 1x H200): the first
+# rollout of a process with varying response lengths took 41.7 s with cuDNN and 11.8 s without; training steps whose
+# micro-batches met new widths took 2-3 s more. Flash and memory-efficient attention have no per-shape set-up.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from rollout.api import RolloutOutput, SamplingParams
+from rollout.api import ATTENTION_BACKENDS, RolloutOutput, SamplingParams
 from rollout.decoder import unsupported_reason
 from rollout.sampling import sample_next_tokens, take_first_tp_rank
 from rollout.slots import SlotEngine
@@ -114,8 +115,9 @@ class NativeEngine:
                 handle.wait()
             switch_s = time.perf_counter() - start
             # no_grad, not inference_mode: FSDP2 unsharding under inference_mode raised "Inference tensors do not
-            # track version counter" until pytorch#197327, newer than the torch 2.11 we run on GPUs.
-            with torch.no_grad():
+            # track version counter" until pytorch#197327, newer than the torch 2.11 we run on GPUs. The attention
+            # backends are fixed before the first call compiles the decode step (SDPA picks its kernel at trace time).
+            with torch.no_grad(), sdpa_kernel(ATTENTION_BACKENDS):
                 # Read after unshard: with FSDP2 CPU offload the sharded parameters live on the CPU, the unsharded
                 # on the GPU.
                 device = next(model.parameters()).device

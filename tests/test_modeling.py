@@ -16,6 +16,7 @@ from roles.modeling import (
     at_response,
     attention_mask,
     forward,
+    grad_norm_and_clip,
     greedy_runs,
     join_rows,
     length_groups,
@@ -165,3 +166,28 @@ def test_grouped_windowed_micro_batches_give_the_loss_and_gradients_of_one_padde
     assert total == pytest.approx(float(loss_ref.detach()), rel=1e-5, abs=1e-7)
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1e-3, 1e6])
+def test_grad_norm_and_clip_against_the_obvious_loop(max_norm):
+    model = tiny_lm()
+    batch = random_batch([3, 5], [4, 2])
+    logp = logprobs_from_logits(at_response(forward(model, batch), batch), batch["response_ids"])
+    (-(logp * batch["response_mask"]).sum()).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    expected = sum(float(g.double().pow(2).sum()) for g in before) ** 0.5
+    norm = grad_norm_and_clip(model, max_norm)
+    assert float(norm) == pytest.approx(expected, rel=1e-5)
+    scale = min(1.0, max_norm / (expected + 1e-6)) if max_norm > 0 else 1.0
+    for g, p in zip(before, model.parameters()):
+        torch.testing.assert_close(p.grad, g * scale, rtol=1e-5, atol=1e-9)
+
+
+def test_a_non_finite_gradient_norm_leaves_the_gradients_alone():
+    model = tiny_lm()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model.lm_head.weight.grad[0, 0] = float("inf")
+    norm = grad_norm_and_clip(model, 1.0)
+    assert not torch.isfinite(norm)
+    assert float(model.model.norm.weight.grad[0]) == 1.0
