@@ -136,6 +136,7 @@ class RolloutConfig:
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the decode step before graph capture (GPU only)
     compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
+    fused_projections: bool = True  # q/k/v and gate/up as one GEMM each: copies ~2/3 of the blocks' weights per rollout
     # the vLLM engine: ranks per engine (contiguous), what sleeping between rollouts frees (1: the KV cache, weights
     # kept in host memory; 2: both), and the start-up check's bound on the mean |vLLM - actor| log-prob gap
     # (gpu_memory_utilization above is vLLM's share of the GPU)

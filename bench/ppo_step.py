@@ -259,11 +259,16 @@ def main() -> None:
                     help="meshrl's actor.micro_batch_tokens (default: the whole step's 64 x 384 tokens in one forward, "
                          "as TRL's per_device_train_batch_size=64 here; meshrl's own default is 8192)")
     ap.add_argument("--json", default=None, help="also write every result here")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                    help="print the table of results saved with --json (several runs, one table) and exit")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("extra", nargs="*", help="key=value overrides for meshrl's runs")
     args = ap.parse_args()
     if args.trl_worker:
         trl_worker(json.loads(args.trl_worker))
+        return
+    if args.report:
+        report([r for f in args.report for r in json.loads(Path(f).read_text())], args.peak_tflops)
         return
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

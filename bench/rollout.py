@@ -74,7 +74,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
-    engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile)
+    engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
+                          fused_projections=not args.no_fused)
     if engine.fallback_reason is not None:
         raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
     rows = []
@@ -185,6 +186,8 @@ def main() -> None:
     parser.add_argument("--no-spread", dest="spread", action="store_const", const=None)
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="separate q/k/v and gate/up GEMMs (rollout.fused_projections false)")
     parser.add_argument("--profile", action="store_true", help="print a decode step's GPU time by kernel first")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()

@@ -42,6 +42,9 @@ class NativeEngine:
     the KV cache in tokens, or else gpu_memory_utilization (the share of the GPU's memory this process may hold in
     all) does on CUDA; max_prefill_tokens bounds the padded prompt tokens of one prefill forward; cuda_graphs and
     compile turn on CUDA-graph capture of the decode step and torch.compile of its pieces (CUDA only).
+    fused_projections: decode with q/k/v and gate/up stacked into one weight each, copied once per rollout (one
+    GEMM where there were three and two; the copies hold about two thirds of the decoder blocks' weights while the
+    rollout runs, out of the rollout's memory share).
     compact_forward=False forces the HF-forward path; models the compact forward cannot run use it anyway, and
     fallback_reason says why. reshard_after_forward: the FSDP2 setting the model was sharded with, put back after
     every rollout (which keeps the parameters unsharded while it runs).
@@ -61,6 +64,7 @@ class NativeEngine:
         cuda_graphs: bool = True,
         compile: bool = True,
         compact_forward: bool = True,
+        fused_projections: bool = True,
         reshard_after_forward: bool = True,
     ):
         self.vocab_size = model.config.vocab_size
@@ -84,7 +88,8 @@ class NativeEngine:
         self.slots = None
         if self.fallback_reason is None:
             self.slots = SlotEngine(model, pad_token_id, tp_group, max_num_seqs, kv_cache_tokens,
-                                    gpu_memory_utilization, max_prefill_tokens, cuda_graphs, compile)
+                                    gpu_memory_utilization, max_prefill_tokens, cuda_graphs, compile,
+                                    fused_projections)
         self.stats: dict[str, float] = {}  # of the last generate call: reshard_s, and the slot engine's counters
 
     def generate(

@@ -161,7 +161,8 @@ class SlotEngine:
     in all, weights and training state included) and on CPU from max_num_seqs. max_prefill_tokens: prompt tokens
     (padded) per prefill forward, which bounds its activations. cuda_graphs / compile: capture the decode step in
     CUDA graphs, and compile its blocks and sampling with torch.compile first (CUDA only; compile is skipped under
-    tensor parallelism, whose all-reduce runs between the compiled pieces).
+    tensor parallelism, whose all-reduce runs between the compiled pieces). fused_projections: decode with stacked
+    q/k/v and gate/up weights, copied per rollout (rollout/decoder.read_weights).
     """
 
     def __init__(
@@ -175,8 +176,10 @@ class SlotEngine:
         max_prefill_tokens: int,
         cuda_graphs: bool,
         compile: bool,
+        fused_projections: bool = True,
     ):
         self.model = model
+        self.fused_projections = fused_projections
         self.pad_token_id = pad_token_id
         self.tp_group = tp_group
         self.max_num_seqs = max_num_seqs
@@ -198,7 +201,7 @@ class SlotEngine:
     ) -> RolloutOutput:
         """prompts: non-empty token lists; limits: max_new_tokens per prompt. Called with the parameters unsharded
         and autograd off (NativeEngine.generate)."""
-        w = read_weights(self.model)
+        w = read_weights(self.model, fuse=self.fused_projections)
         if w.row_parallel != (self.tp_group is not None):
             raise ValueError(
                 f"tp_group is {'set' if self.tp_group is not None else 'None'} but the model's attention heads are "

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from conftest import explain, torchrun
+from rollout.decoder import read_weights
 from rollout.native import NativeEngine, SamplingParams
 from rollout.sampling import sample_next_tokens, truncate_top_k_top_p
 
@@ -244,3 +245,18 @@ def test_stop_tokens_include_every_eos_of_the_generation_config(tmp_path):
     assert stop_token_ids(str(tmp_path / "single"), tokenizer) == tuple(sorted({4, tokenizer.eos_token_id}))
     (tmp_path / "none").mkdir()
     assert stop_token_ids(str(tmp_path / "none"), tokenizer) == (tokenizer.eos_token_id,)
+
+
+def test_fused_projections_decode_as_the_separate_ones(model):
+    """Stacked q/k/v and gate/up weights (the default) against the three and two separate GEMMs: the same greedy
+    tokens and log-probs, and the stacks are exactly the parameters."""
+    w = read_weights(model, fuse=True)
+    block, attn, mlp = w.layers[0], model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert torch.equal(block.qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(block.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert read_weights(model).layers[0].qkv is None
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    fused = NativeEngine(model, PAD).generate(PROMPTS, params)
+    separate = NativeEngine(model, PAD, fused_projections=False).generate(PROMPTS, params)
+    assert responses(fused) == responses(separate)
+    torch.testing.assert_close(fused.logprobs, separate.logprobs, atol=1e-5, rtol=0)
