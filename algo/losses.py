@@ -225,6 +225,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _tile(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """A fresh upcast copy of a logits tile divided by the temperature (in place; skipped at 1)."""
+    x = logits.to(dtype, copy=True)
+    return x if temperature == 1.0 else x.div_(temperature)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """log_softmax(logits / temperature) at labels; forward and backward upcast one tile at a time.
 
@@ -239,7 +245,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         out = logits.new_empty(labels.shape, dtype=dtype)
         lse = logits.new_empty(labels.shape, dtype=dtype)
         for bs, ts in _blocks(labels.shape[0], labels.shape[1], chunk_size):
-            x = logits[bs, ts].to(dtype) / temperature
+            x = _tile(logits[bs, ts], dtype, temperature)
             lse[bs, ts] = torch.logsumexp(x, dim=-1)
             out[bs, ts] = x.gather(-1, labels[bs, ts].unsqueeze(-1)).squeeze(-1) - lse[bs, ts]
         ctx.save_for_backward(logits, labels, lse)
@@ -254,10 +260,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for bs, ts in _blocks(labels.shape[0], labels.shape[1], ctx.chunk_size):
             g = grad_out[bs, ts].unsqueeze(-1).to(lse.dtype)
-            x = logits[bs, ts].to(lse.dtype) / ctx.temperature
+            if ctx.temperature != 1.0:
+                g = g / ctx.temperature
+            x = _tile(logits[bs, ts], lse.dtype, ctx.temperature)
             x.sub_(lse[bs, ts].unsqueeze(-1)).exp_().mul_(-g)
             x.scatter_add_(-1, labels[bs, ts].unsqueeze(-1), g)
-            grad[bs, ts] = x.div_(ctx.temperature)
+            grad[bs, ts] = x
         return grad, None, None, None
 
 
@@ -274,7 +282,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         out = logits.new_empty(logits.shape[:2], dtype=dtype)
         lse = logits.new_empty(logits.shape[:2], dtype=dtype)
         for bs, ts in _blocks(logits.shape[0], logits.shape[1], chunk_size):
-            x = logits[bs, ts].to(dtype) / temperature
+            x = _tile(logits[bs, ts], dtype, temperature)
             tile_lse = torch.logsumexp(x, dim=-1)
             probs = torch.exp(x - tile_lse.unsqueeze(-1))
             lse[bs, ts] = tile_lse
@@ -290,12 +298,85 @@ class _ChunkedEntropy(torch.autograd.Function):
         logits, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for bs, ts in _blocks(logits.shape[0], logits.shape[1], ctx.chunk_size):
-            x = logits[bs, ts].to(lse.dtype) / ctx.temperature
+            x = _tile(logits[bs, ts], lse.dtype, ctx.temperature)
             probs = torch.exp(x - lse[bs, ts].unsqueeze(-1))
             expected = (probs * x).sum(dim=-1, keepdim=True)
             scale = -grad_out[bs, ts].unsqueeze(-1).to(lse.dtype) / ctx.temperature
             grad[bs, ts] = x.sub_(expected).mul_(probs).mul_(scale)
         return grad, None, None
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., V] . [..., V] -> [...] as a batched matmul: no [..., V] product is written."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+
+
+class _ChunkedLogprobsEntropy(torch.autograd.Function):
+    """Both _ChunkedLogprobs and _ChunkedEntropy from one upcast tile and one softmax: what the actor's update needs
+    (the log-probs for the loss, the entropy for the bonus or the metric). Saves the logits, the [B, T] logsumexp
+    and sum_v p_v x_v; backward recomputes p once per tile and skips the entropy term when its gradient is None:
+    d/d logits = [g_logp (onehot - p) - g_ent p (x - sum p x)] / temperature."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_size):
+        ctx.set_materialize_grads(False)
+        dtype = _compute_dtype(logits.dtype)
+        logp = logits.new_empty(labels.shape, dtype=dtype)
+        entropy = logits.new_empty(labels.shape, dtype=dtype)
+        lse = logits.new_empty(labels.shape, dtype=dtype)
+        mean_x = logits.new_empty(labels.shape, dtype=dtype)
+        for bs, ts in _blocks(labels.shape[0], labels.shape[1], chunk_size):
+            x = _tile(logits[bs, ts], dtype, temperature)
+            tile_lse = torch.logsumexp(x, dim=-1)
+            logp[bs, ts] = x.gather(-1, labels[bs, ts].unsqueeze(-1)).squeeze(-1) - tile_lse
+            probs = (x - tile_lse.unsqueeze(-1)).exp_()
+            tile_mean = _dot(probs, x)
+            lse[bs, ts], mean_x[bs, ts] = tile_lse, tile_mean
+            entropy[bs, ts] = tile_lse - tile_mean
+        ctx.save_for_backward(logits, labels, lse, mean_x)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, labels, lse, mean_x = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None
+        grad = torch.empty_like(logits)
+        t = ctx.temperature
+        for bs, ts in _blocks(labels.shape[0], labels.shape[1], ctx.chunk_size):
+            x = _tile(logits[bs, ts], lse.dtype, t)
+            probs = (x - lse[bs, ts].unsqueeze(-1)).exp()
+            if grad_entropy is not None:
+                # -g_ent p (x - E[x]) - g_logp p, written into x
+                g_ent = grad_entropy[bs, ts].unsqueeze(-1).to(lse.dtype)
+                x.sub_(mean_x[bs, ts].unsqueeze(-1)).mul_(-g_ent)
+                if grad_logp is not None:
+                    x.sub_(grad_logp[bs, ts].unsqueeze(-1).to(lse.dtype))
+                x.mul_(probs)
+            else:
+                x = probs.mul_(-grad_logp[bs, ts].unsqueeze(-1).to(lse.dtype))
+            if grad_logp is not None:
+                x.scatter_add_(-1, labels[bs, ts].unsqueeze(-1), grad_logp[bs, ts].unsqueeze(-1).to(lse.dtype))
+            grad[bs, ts] = x if t == 1.0 else x.div_(t)
+        return grad, None, None, None
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs_from_logits, entropy_from_logits) of the same logits in one pass over them, each [B, T] float32,
+    both differentiable (an unused one costs nothing in backward)."""
+    if logits.dim() != 3 or tuple(labels.shape) != tuple(logits.shape[:2]):
+        raise ValueError(
+            f"need logits [B, T, V] and labels [B, T], got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_chunk_size(chunk_size)
+    return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), chunk_size)
 
 
 def _check_chunk_size(chunk_size: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from algo.advantages import as_bool_mask
-from algo.losses import aggregate, entropy_from_logits, kl, logprobs_from_logits, policy_loss
+from algo.losses import aggregate, kl, logprobs_and_entropy, logprobs_from_logits, policy_loss
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
@@ -95,8 +95,9 @@ class Actor:
         metrics = UpdateMetrics()
 
         def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
-            logits = response_logits(self.model, mb)
-            logp = logprobs_from_logits(logits, mb["response_ids"], temperature)
+            # one pass over the [b, R, V] logits gives both; the entropy's gradient only with a bonus
+            logp, token_entropy = logprobs_and_entropy(response_logits(self.model, mb), mb["response_ids"],
+                                                       temperature)
             m = mb["response_mask"]
             norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
             pg, parts = policy_loss(
@@ -104,8 +105,8 @@ class Actor:
                 cfg.loss_agg, rollout_logprobs=mb.get("rollout_logprobs") if cfg.tis_cap else None,
                 tis_cap=cfg.tis_cap, **norms,
             )
-            with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                ent = aggregate(entropy_from_logits(logits, temperature), m, cfg.loss_agg, **norms)
+            ent = aggregate(token_entropy if cfg.entropy_coef > 0 else token_entropy.detach(), m, cfg.loss_agg,
+                            **norms)
             loss = pg - cfg.entropy_coef * ent
             if kl_loss_coef > 0:
                 kl_term = aggregate(kl(logp, mb["ref_logprobs"], kl_kind), m, cfg.loss_agg, **norms)

@@ -14,6 +14,7 @@ from algo.losses import (
     aggregate,
     entropy_from_logits,
     kl,
+    logprobs_and_entropy,
     logprobs_from_logits,
     policy_loss,
     value_loss,
@@ -441,3 +442,38 @@ def test_logits_validation():
         logprobs_from_logits(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         entropy_from_logits(torch.zeros(2, 3, 4), chunk_size=0)
+
+
+@pytest.mark.parametrize("shape,chunk", LOGIT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_together_match_the_loops(shape, chunk, dtype):
+    gen = torch.Generator().manual_seed(chunk + 1)
+    logits = (3 * torch.randn(*shape, generator=gen)).to(dtype)
+    labels = torch.randint(0, shape[-1], shape[:2], generator=gen)
+    for temperature in (1.0, 0.7):
+        logp, ent = logprobs_and_entropy(logits, labels, temperature, chunk_size=chunk)
+        assert logp.dtype == ent.dtype == torch.float32
+        torch.testing.assert_close(logp, torch.tensor(loop_logprobs(logits, labels, temperature)), rtol=1e-5,
+                                   atol=1e-5)
+        expected = torch.tensor(loop_entropy(logits.float() / temperature), dtype=torch.float32)
+        torch.testing.assert_close(ent, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize("which", ["both", "logp", "entropy"])
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_logprobs_and_entropy_gradients_match_autograd_on_the_formulas(chunk, which, temperature):
+    gen = torch.Generator().manual_seed(chunk)
+    logits = torch.randn(3, 4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 6, (3, 4), generator=gen)
+    up_lp, up_ent = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 4, generator=gen,
+                                                                                        dtype=torch.float64)
+    logp, ent = logprobs_and_entropy(logits, labels, temperature, chunk)
+    scaled = logits / temperature
+    ref_lp = torch.log_softmax(scaled, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(torch.softmax(scaled, -1) * torch.log_softmax(scaled, -1)).sum(-1)
+    terms = {"both": ((logp, ref_lp, up_lp), (ent, ref_ent, up_ent)), "logp": ((logp, ref_lp, up_lp),),
+             "entropy": ((ent, ref_ent, up_ent),)}[which]
+    got = torch.autograd.grad(sum((t * u).sum() for t, _, u in terms), logits, retain_graph=True)[0]
+    want = torch.autograd.grad(sum((r * u).sum() for _, r, u in terms), logits)[0]
+    torch.testing.assert_close(got, want)
