@@ -13,6 +13,7 @@ Variants (each in its own process, so each pays its own compile):
   then a recompile when dynamo sees a second shape);
 - no-compile: CUDA graphs of the eager decode step.
 Lengths: fixed (every response 256 tokens) or varying (stop ids drawn so the mean is ~100, as bench/ppo_step.py).
+Each process gets empty Inductor and Triton caches (a machine's first run; --warm-cache shares the machine's).
 Prints seconds per call, dynamo's compile time and its recompiles, and a markdown table.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -79,6 +81,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--lengths", nargs="+", default=["fixed", "varying"], choices=["fixed", "varying"])
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--warm-cache", action="store_true", help="use the machine's compile caches (a later run)")
     ap.add_argument("--one", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -87,8 +90,12 @@ def main() -> None:
     rows = []
     for lengths in args.lengths:
         for variant in args.variants:
+            env = dict(os.environ)
+            if not args.warm_cache:
+                cold = f"/tmp/warmup_cache_{os.getpid()}_{variant}_{lengths}"
+                env.update(TORCHINDUCTOR_CACHE_DIR=f"{cold}/inductor", TRITON_CACHE_DIR=f"{cold}/triton")
             proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--calls", str(args.calls),
-                                   "--one", variant, lengths], cwd=ROOT, capture_output=True, text=True)
+                                   "--one", variant, lengths], cwd=ROOT, capture_output=True, text=True, env=env)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
                 print(f"{variant} {lengths}: exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
