@@ -7,10 +7,11 @@ import torch
 from torch.nn.attention import SDPBackend
 
 # SDPA without cuDNN's backend, for the native engine and the trainers' forwards: cuDNN builds an execution plan for
-# every new attention shape (~0.5 s each on an H200), and rollout shapes (prompt widths, batch and context buckets,
-# slot lengths) and micro-batch widths change from call to call. Measured (bench/warmup.py, 1x H200): the first
-# rollout of a process with varying response lengths took 41.7 s with cuDNN and 11.8 s without; training steps whose
-# micro-batches met new widths took 2-3 s more. Flash and memory-efficient attention have no per-shape set-up.
+# every new attention shape, and rollout shapes (prompt widths, batch and context buckets, slot lengths) and
+# micro-batch widths change from call to call. Seen on an H200: training steps whose micro-batches met new widths took
+# 2-3 s more with cuDNN; a second rollout meeting new decode shapes 0.68 s with cuDNN, 0.53 s without (bench/warmup.py,
+# varying lengths; the first, cold-cache call is ~32 s either way, compile-bound). Flash and memory-efficient
+# attention have no per-shape set-up.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
