@@ -59,7 +59,23 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600, device: str = 
             if world_size != 1:
                 raise ValueError(f"WORLD_SIZE={world_size} without MASTER_ADDR: launch with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    give_new_groups(timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def give_new_groups(timeout: datetime.timedelta) -> None:
+    """Make `timeout` the default of every process group created from now on in this process.
+
+    torch gives a group created without a timeout its own defaults (30 min on gloo, 10 on NCCL), not the default
+    group's, and DeviceMesh creates its axis groups so; it offers no public setting for them. c10d reads these two
+    module defaults at each group's creation, so rebinding them gives the pool, I/O, pair, data-parallel and mesh
+    groups (and vLLM's) distributed.timeout_s: a rank that stops taking part fails its peers in that time, not 30 min.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if hasattr(c10d, name):
+            setattr(c10d, name, timeout)
 
 
 def _attempt_store(world_size: int, rank: int, timeout: datetime.timedelta) -> dist.Store:

@@ -3,11 +3,13 @@ metrics line cut in half. Real runs of train_ppo.py on the tiny test model, real
 
 from __future__ import annotations
 
+import re
 import signal
+import time
 
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
 
-from conftest import explain, run_python, start_run_and_wait
+from conftest import explain, run_python, start_run_and_wait, torchrun
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.tiny_model import save_tiny_model
 
@@ -68,3 +70,18 @@ def test_a_metrics_line_cut_in_half_is_dropped_on_resume(assets, tmp_path):  # n
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2, 3]
     samples = (tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()
     assert [int(s.split(",")[0].split(":")[1]) for s in samples] == [0, 2, 3], "eval samples once per step"
+
+
+def test_every_group_honours_the_configured_timeout():
+    """distributed.timeout_s reaches the groups meshrl creates itself (pool, I/O, pair) and those DeviceMesh creates,
+    not only the default group: a rank that stops taking part fails its peers' collectives in about that time."""
+    from tests.dist.group_timeout import TIMEOUT_S
+
+    began = time.time()
+    proc = torchrun(["tests/dist/group_timeout.py"], nproc=4, timeout=150)
+    assert proc.returncode == 0, explain(proc)
+    seen = dict(re.findall(r"TIMEOUT (\S+(?: \S+)?) ([0-9.]+) s", proc.stdout))
+    assert set(seen) == {"pool", "io", "tp axis", "pair"}, explain(proc)
+    for name, seconds in seen.items():
+        assert TIMEOUT_S * 0.5 <= float(seconds) <= TIMEOUT_S * 4, f"{name}: {seconds} s\n{explain(proc)}"
+    assert time.time() - began < 120
