@@ -779,9 +779,12 @@ def required_roles(cfg: Config) -> tuple[str, ...]:
     return tuple(roles)
 
 
+CONFIG_ERROR_GRACE_S = 5.0
+
+
 def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Config:
     """`--config PATH [key=value ...]` -> a checked Config. On a mistake, rank 0 prints one line and every rank
-    exits with code 2, before any process group or model exists. `--help` lists every key (`describe_schema`);
+    exits with code 2 (the others CONFIG_ERROR_GRACE_S later), before any process group or model exists. `--help` lists every key (`describe_schema`);
     `--print-config` prints the checked config as YAML on rank 0 and exits 0 on every rank."""
     import argparse
     import sys
@@ -803,6 +806,12 @@ def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Co
     except ConfigError as e:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every worker when the first one exits: the others give rank 0 the time to print
+            # (its line went missing in 4 of 28 launches when another rank ended first)
+            import time
+
+            time.sleep(CONFIG_ERROR_GRACE_S)
         sys.exit(2)
     if args.print_config:
         if rank == 0:

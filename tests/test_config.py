@@ -92,11 +92,13 @@ def test_entry_point_exits_2_with_one_message(tmp_path):
 
 def test_every_rank_stops_under_torchrun(tmp_path):
     bad = write(tmp_path, {"placement": {"mode": "colocate", "tp": 4}, "model": {"path": model_dir(tmp_path)}})
-    proc = torchrun(["train_ppo.py", "--config", bad], nproc=2, timeout=120)
+    # 3 ranks: the line must reach the console however the ranks race to exit (it went missing when another rank
+    # ended first and torchrun stopped rank 0 before it printed)
+    proc = torchrun(["train_ppo.py", "--config", bad], nproc=3, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert out.count("config error: placement.tp=4: must divide the pool size 2") == 1, explain(proc)
-    # torchrun reports each worker's own exit code; both ranks stopped with 2, none ran on
+    assert out.count("config error: placement.tp=4: must divide the pool size 3") == 1, explain(proc)
+    # torchrun reports the exit code of the first worker to fail: rank 0's 2; none ran on
     assert "exitcode: 2" in out and "Traceback (most recent call last):\n  File \"/" not in proc.stdout, explain(proc)
 
 
