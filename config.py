@@ -335,6 +335,18 @@ class CheckpointConfig:
     resume: str = "auto"  # auto (newest complete checkpoint of the run), never, or a checkpoint folder
     async_save: bool = False  # write in the background while training goes on (finished before the next save)
     max_skipped_steps: int = 5  # non-finite gradient steps in a row before the run stops
+    # keys of RESUME_PROTECTED a resume may change anyway (e.g. [model.path] to go on from the weights with a new base)
+    allow_config_change: list[str] = field(default_factory=list)
+
+
+# What a checkpoint means: changing one of these and resuming would silently train something else (another reference
+# or base model, another data order, other group sizes). A resume that changes them exits 2 unless
+# checkpoint.allow_config_change lists them; every other change is logged.
+RESUME_PROTECTED = (
+    "model.path", "model.tokenizer_path", "actor.model_path", "critic.model_path", "reference.model_path",
+    "reward.model_path", "data.train_path", "data.prompt_key", "data.batch_size", "data.shuffle", "rollout.n",
+    "algorithm.adv_estimator", "quickstart.hidden_size", "quickstart.num_layers",
+)
 
 
 @dataclass
@@ -545,6 +557,10 @@ def check_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
                           "compares the samples of a prompt; set rollout.n >= 2")
     check_ranges(cfg, PPO_RANGES)
+    unknown = [k for k in cfg.checkpoint.allow_config_change if k not in RESUME_PROTECTED]
+    if unknown:
+        raise ConfigError(f"checkpoint.allow_config_change={unknown}: only these keys are guarded on resume (the "
+                          f"others may change freely): {', '.join(RESUME_PROTECTED)}")
     kl = cfg.algorithm.kl
     if kl.controller == "adaptive" and kl.coef == 0:
         raise ConfigError("algorithm.kl.controller=adaptive with algorithm.kl.coef=0: the adaptive controller scales "

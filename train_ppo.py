@@ -488,8 +488,16 @@ class PPOTrainer:
                 f"run {self.cfg.run.name!r} has already finished: its checkpoint {path} is at step {state['step']} "
                 f"and run.total_steps is {self.total_steps}, so there is nothing to train. To train on, raise "
                 "run.total_steps; to start a new run, pick another run.name (or run.output_dir)")
+        changed = config_changes(yaml.safe_load(state["config"]), C.to_dict(self.cfg))
+        allowed = set(self.cfg.checkpoint.allow_config_change)
+        refused = [c for c in changed if c.split(":")[0] in C.RESUME_PROTECTED and c.split(":")[0] not in allowed]
+        if refused:  # the same on every rank: the saved config and this one are
+            keys = ",".join(c.split(":")[0] for c in refused)
+            raise C.ConfigError(
+                f"resuming {path} would change what its run means: {'; '.join(refused)}. Nothing was trained or "
+                f"written. Start a new run (another run.name), or accept it with "
+                f"checkpoint.allow_config_change=[{keys}]")
         if self.rank == 0:
-            changed = config_changes(yaml.safe_load(state["config"]), C.to_dict(self.cfg))
             if changed:
                 log.warning("resuming %s with a changed config: %s", path, "; ".join(changed))
             log.info("resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - began)

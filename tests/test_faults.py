@@ -85,3 +85,31 @@ def test_every_group_honours_the_configured_timeout():
     for name, seconds in seen.items():
         assert TIMEOUT_S * 0.5 <= float(seconds) <= TIMEOUT_S * 4, f"{name}: {seconds} s\n{explain(proc)}"
     assert time.time() - began < 120
+
+
+def test_a_resume_that_changes_what_the_run_means_is_refused_unless_allowed(assets, tmp_path):  # noqa: F811
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    run = tmp_path / "runs" / "t"
+    before = snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()
+    # the same architecture, so the checkpoint would load: another batch size and another reference model
+    other = tmp_path / "other_model"
+    save_tiny_model(other, build_char_tokenizer("0123456789+="), hidden_size=32, num_layers=2, num_heads=4,
+                    num_kv_heads=2, intermediate_size=64, max_position_embeddings=64, seed=1)
+    changed = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+                           data={"batch_size": 4}, reference={"model_path": str(other)}, actor={"clip_high": 0.28})
+    proc = run_python(["train_ppo.py", "--config", changed], timeout=300)
+    assert proc.returncode == 2, explain(proc)
+    assert "data.batch_size: 8 -> 4" in proc.stderr and "reference.model_path: None -> " in proc.stderr, explain(proc)
+    assert "actor.clip_high" not in proc.stderr.split("would change")[1], "a free change is not refused"
+    assert "checkpoint.allow_config_change=[data.batch_size,reference.model_path]" in proc.stderr, explain(proc)
+    assert (snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()) == before, "nothing may change"
+    # a key that is not guarded cannot be listed
+    proc = run_python(["train_ppo.py", "--config", changed, "checkpoint.allow_config_change=[actor.clip_high]"],
+                      timeout=120)
+    assert proc.returncode == 2 and "only these keys are guarded" in proc.stderr, explain(proc)
+    proc = run_python(["train_ppo.py", "--config", changed,
+                       "checkpoint.allow_config_change=[data.batch_size,reference.model_path]"], timeout=300)
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, explain(proc)
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2]
