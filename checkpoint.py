@@ -6,6 +6,7 @@
                                   all-reduce average, top-k error feedback, parameter-averaging period)
         trainer.pt                rank 0: step, data position, config, and each role's counters from a rank hosting
                                   it (the actor's: update count, LR back-off, skipped steps, KL controller, guard)
+        checksums.json            CRC-32 of every file above, checked before a resume reads any of them
     <run_dir>/checkpoints/latest  the name of the newest complete checkpoint (written last)
 
 A checkpoint is written into `step_N.tmp` and renamed when every rank has finished, so a folder without `.tmp`
@@ -16,10 +17,12 @@ RNG streams are then started afresh from the seed, and the log says so). Files a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -64,6 +67,67 @@ def load_role(path: str, model, optimizer, group) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+CHECKSUMS = "checksums.json"
+
+
+def _crc32(path: str) -> str:
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            value = zlib.crc32(block, value)
+    return f"{value:08x}"
+
+
+def _files(folder: str) -> list[str]:
+    """Every file under `folder`, relative, sorted: the same list on every rank of a shared filesystem."""
+    out = []
+    for base, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(base, n), folder) for n in names]
+    return sorted(f for f in out if f != CHECKSUMS)
+
+
+def write_checksums(folder: str) -> None:
+    """Every rank calls: the CRC-32 of every file of the finished checkpoint, the files dealt round-robin over the
+    ranks (each reads ~1/world of the bytes), into `checksums.json` (rank 0)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = _files(folder)
+    mine = {f: _crc32(os.path.join(folder, f)) for f in files[rank::world]}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        sums = {k: v for part in everyone for k, v in part.items()}
+        with open(os.path.join(folder, CHECKSUMS), "w") as f:
+            json.dump(sums, f, indent=0, sort_keys=True)
+
+
+def verify_checksums(folder: str) -> None:
+    """Every rank calls: raises RuntimeError on every rank when a file of the checkpoint is missing or does not
+    match the CRC-32 written at save time (corruption that keeps a file's size loads silently otherwise). Each rank
+    checks a round-robin share. A checkpoint without checksums (written before 2026-12-01) passes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = None
+    listing = os.path.join(folder, CHECKSUMS)
+    if os.path.isfile(listing):
+        try:
+            with open(listing) as f:
+                sums = json.load(f)
+            for name in sorted(sums)[rank::world]:
+                path = os.path.join(folder, name)
+                if not os.path.isfile(path):
+                    problem = f"{name} is missing"
+                elif _crc32(path) != sums[name]:
+                    problem = f"{name} does not match its checksum (damaged after it was written)"
+                if problem:
+                    break
+        except (OSError, ValueError) as e:
+            problem = f"{CHECKSUMS} is unreadable: {e}"
+    flags: list = [None] * world
+    dist.all_gather_object(flags, problem)
+    found = [p for p in flags if p]
+    if found:
+        raise RuntimeError(found[0])
+
+
 class PendingSave:
     """A checkpoint whose files may still be being written; `finish` (every rank) waits, then makes it complete."""
 
@@ -78,6 +142,7 @@ class PendingSave:
         for future in self.futures:
             future.result()
         dist.barrier()
+        write_checksums(self.tmp)
         if dist.get_rank() == 0:
             shutil.rmtree(self.final, ignore_errors=True)
             os.replace(self.tmp, self.final)
@@ -137,6 +202,7 @@ def load(path: str, roles: dict) -> tuple[dict, dict | None]:
     """Load the roles (resharding as needed) and return (trainer_state, this rank's state or None when the
     checkpoint was written by a different number of ranks). Raises if any rank fails to read its part."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    verify_checksums(path)  # before any collective of the load: every rank agrees to skip a damaged checkpoint
     error = None
     trainer_state = rank_state = None
     try:

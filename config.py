@@ -800,8 +800,9 @@ CONFIG_ERROR_GRACE_S = 5.0
 
 def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Config:
     """`--config PATH [key=value ...]` -> a checked Config. On a mistake, rank 0 prints one line and every rank
-    exits with code 2 (the others CONFIG_ERROR_GRACE_S later), before any process group or model exists. `--help` lists every key (`describe_schema`);
-    `--print-config` prints the checked config as YAML on rank 0 and exits 0 on every rank."""
+    exits with code 2 (the others CONFIG_ERROR_GRACE_S later), before any process group or model exists. `--help`
+    lists every key (`describe_schema`); `--print-config` prints the checked config as YAML on rank 0 and exits 0
+    on every rank."""
     import argparse
     import sys
 

@@ -150,3 +150,24 @@ def test_export_rejects_what_is_not_a_checkpoint(tmp_path):
     assert proc.returncode == 2 and "not a complete meshrl checkpoint" in proc.stderr
 
 
+
+
+def test_a_checkpoint_damaged_inside_its_files_is_skipped(assets, tmp_path):  # noqa: F811
+    """Bytes overwritten in the middle of a shard keep its size, so DCP would load them (the optimizer state once
+    came back as 3.4e38): the save-time checksums catch it and the resume takes the checkpoint before."""
+    first = config(tmp_path, assets, "a", run={"total_steps": 2}, checkpoint={"save_every": 1, "keep_last": 2})
+    proc = run_python(["train_ppo.py", "--config", first])
+    assert proc.returncode == 0, explain(proc)
+    step2 = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    sums = json.loads((step2 / "checksums.json").read_text())
+    assert {"trainer.pt", "rank_00000.pt"} <= set(sums) and any(k.startswith("actor/") for k in sums)
+    shard = max((step2 / "actor").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4000] = b"\xff" * 4000
+    shard.write_bytes(bytes(data))
+    second = config(tmp_path, assets, "b", run={"total_steps": 3}, checkpoint={"save_every": 1, "keep_last": 2})
+    proc = run_python(["train_ppo.py", "--config", second])
+    assert proc.returncode == 0, explain(proc)
+    assert "does not match its checksum" in proc.stderr and "step_00000001 (step 1)" in proc.stderr, explain(proc)
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2, 3]
