@@ -128,6 +128,47 @@ def verify_checksums(folder: str) -> None:
         raise RuntimeError(found[0])
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a write error on some rank). Raised on every rank after the
+    partial files were removed; the checkpoints before it are untouched."""
+
+
+def _agree(error: str | None) -> str | None:
+    """Every rank calls: the first rank's error message, on every rank, or None when no rank failed."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    return next((e for e in everyone if e), None)
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in _files(folder)) if os.path.isdir(folder) else 0
+
+
+def _failed(root: str, tmp: str, error: str) -> SaveError:
+    """Remove a failed save's partial folder (rank 0) and say what a save needs and what is free."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    done = complete_checkpoints(root)
+    need = f"~{_folder_bytes(done[0]) / 2**30:.2f} GiB (the last checkpoint)" if done else "unknown (no earlier one)"
+    free = shutil.disk_usage(root).free / 2**30 if os.path.isdir(root) else float("nan")
+    last = os.path.basename(done[0]) if done else "none"
+    return SaveError(f"checkpoint {os.path.basename(tmp)[:-4]} could not be written ({error}); its partial files "
+                     f"were removed. A checkpoint here takes {need}; {free:.2f} GiB are free on {root}. The last "
+                     f"good checkpoint: {last}")
+
+
+def remove_partial(root: str) -> list[str]:
+    """Rank 0, with the run folder's lock held: remove `step_N.tmp` folders a dead or failed save left behind (they
+    are never resumed, and may be what fills the disk). Returns their names."""
+    if not os.path.isdir(root):
+        return []
+    partial = [n for n in os.listdir(root) if n.endswith(".tmp") and STEP_DIR.match(n[:-4])]
+    for name in partial:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return partial
+
+
 class PendingSave:
     """A checkpoint whose files may still be being written; `finish` (every rank) waits, then makes it complete."""
 
@@ -139,10 +180,21 @@ class PendingSave:
         if self.done:
             return self.final
         self.done = True
-        for future in self.futures:
-            future.result()
-        dist.barrier()
-        write_checksums(self.tmp)
+        error = None
+        try:
+            for future in self.futures:
+                future.result()
+        except Exception as e:  # a background write failed (disk full): every rank learns it below
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        error = _agree(error)
+        if error is None:
+            try:
+                write_checksums(self.tmp)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+            error = _agree(error)
+        if error is not None:
+            raise _failed(self.root, self.tmp, error)
         if dist.get_rank() == 0:
             shutil.rmtree(self.final, ignore_errors=True)
             os.replace(self.tmp, self.final)
@@ -165,11 +217,24 @@ def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dic
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    futures = [save_role(os.path.join(tmp, name), model, optimizer, group, async_save)
-               for name, (model, optimizer, group) in roles.items()]
-    torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
+    futures, error = [], None
+    try:
+        futures = [save_role(os.path.join(tmp, name), model, optimizer, group, async_save)
+                   for name, (model, optimizer, group) in roles.items()]
+        torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
+    except (Exception, CheckpointException) as e:  # a full disk, a failed write on this rank
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    error = _agree(error)
+    if error is not None:
+        for future in futures:  # let a background write that did start end before its folder goes
+            if future is not None:
+                try:
+                    future.result()
+                except Exception:
+                    pass
+        raise _failed(root, tmp, error)
     pending = PendingSave(root, tmp, final, [f for f in futures if f is not None], keep_last)
     if not async_save:
         pending.finish()

@@ -147,6 +147,9 @@ class PPOTrainer:
             raise ValueError(f"the run folder {run_dir} is in use by a live run ({holder}); wait for it to end or "
                              "pick another run.name")
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
+        if self.rank == 0:  # the lock is ours: a partial save left by a dead run is never resumed, only in the way
+            for name in checkpoint.remove_partial(self.ckpt_root):
+                log.warning("removed %s, a checkpoint an earlier run did not finish writing", name)
         self.pending_save: checkpoint.PendingSave | None = None
         self.clock: tuple[int, float] | None = None  # (first step, its start time) of this process: the ETA
         if self.rank == 0:
@@ -385,7 +388,7 @@ class PPOTrainer:
             signalled, diverged = self._stop_flags()
             every = cfg.checkpoint.save_every
             if step == self.total_steps or signalled or (every and step % every == 0):
-                self._save(step, before)
+                self._save(step, before, final=step == self.total_steps or signalled)
             if diverged:
                 raise RuntimeError(f"the actor skipped {cfg.checkpoint.max_skipped_steps} optimizer steps in a row "
                                    "(non-finite loss or gradient norm); stopping. The last checkpoint is intact.")
@@ -419,7 +422,9 @@ class PPOTrainer:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
 
-    def _save(self, step: int, before: float) -> None:
+    def _save(self, step: int, before: float, final: bool) -> None:
+        """Checkpoint `step` (every rank). A save that fails (a full disk) is removed and, unless `final` (the last
+        step, or a stop signal: agreed by every rank), logged while training goes on; a final one raises SaveError."""
         began = time.perf_counter()
         local = {}
         if self.actor is not None:  # the controllers' state lives where the actor's step updates it
@@ -437,23 +442,35 @@ class PPOTrainer:
                       "comm": {name: role.replicas.state_dict() for name, role in self._trainers().items()}}
         if self.replay is not None:
             rank_state["replay"] = self.replay.state_dict()
-        self.finish_save()
-        self.pending_save = checkpoint.save(self.ckpt_root, step, self._trained_roles(), rank_state, trainer_state,
-                                            self.cfg.checkpoint.keep_last, self.cfg.checkpoint.async_save)
-        if self.rank == 0:
-            how = "staged (writing in the background)" if self.cfg.checkpoint.async_save else "saved"
-            log.info("%s checkpoint %s in %.2f s", how, self.pending_save.final, time.perf_counter() - began)
-        if self.cfg.checkpoint.async_save and step == self.total_steps:
-            self.finish_save()
+        try:
+            self.finish_save()  # the previous checkpoint, if it is still being written
+        except checkpoint.SaveError as e:
+            if self.rank == 0:
+                log.warning("%s", e)
+        try:
+            self.pending_save = checkpoint.save(self.ckpt_root, step, self._trained_roles(), rank_state,
+                                                trainer_state, self.cfg.checkpoint.keep_last,
+                                                self.cfg.checkpoint.async_save)
+            if self.rank == 0:
+                how = "staged (writing in the background)" if self.cfg.checkpoint.async_save else "saved"
+                log.info("%s checkpoint %s in %.2f s", how, self.pending_save.final, time.perf_counter() - began)
+            if self.cfg.checkpoint.async_save and step == self.total_steps:
+                self.finish_save()
+        except checkpoint.SaveError as e:
+            self.pending_save = None
+            if final:
+                raise  # the run ends here: its last state would be lost, so say so with a failing exit code
+            if self.rank == 0:
+                log.warning("%s. Training goes on; the next save tries again.", e)
 
     def _trainers(self) -> dict:
         return {name: role for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
 
     def finish_save(self) -> None:
         """Complete a background checkpoint write, if one is under way (every rank calls)."""
-        if self.pending_save is not None:
-            self.pending_save.finish()
-            self.pending_save = None
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.finish()
 
     def _resume(self) -> tuple[int, float]:
         """Load the newest readable checkpoint (checkpoint.resume); returns (its step, eval score before training),
@@ -594,6 +611,12 @@ def main(argv: list[str]) -> int:
         trainer.close()
         shutdown()
         return 2
+    except checkpoint.SaveError as e:  # the final checkpoint could not be written (a full disk)
+        if info.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        trainer.close()
+        shutdown()
+        return 1
     if info.rank == 0:
         print(f"eval/score/mean: {result['before']:.3f} at the start -> {result['after']:.3f} at the end", flush=True)
     shutdown()

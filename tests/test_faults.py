@@ -113,3 +113,37 @@ def test_a_resume_that_changes_what_the_run_means_is_refused_unless_allowed(asse
                        "checkpoint.allow_config_change=[data.batch_size,reference.model_path]"], timeout=300)
     assert proc.returncode == 0 and "resumed from" in proc.stderr, explain(proc)
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2]
+
+
+FULL_DISK = """
+import resource, runpy, signal, sys
+# writes past LIMIT bytes per file fail with EFBIG, as they would with ENOSPC on a full disk
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+sys.argv = ["train_ppo.py", *sys.argv[2:]]
+runpy.run_path("train_ppo.py", run_name="__main__")
+"""
+
+
+def test_a_save_that_cannot_be_written_is_removed_and_training_goes_on(assets, tmp_path):  # noqa: F811
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    ckpts = tmp_path / "runs" / "t" / "checkpoints"
+    good = snapshot(ckpts / "step_00000001")
+    shard = max((ckpts / "step_00000001" / "actor").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    limit = shard.stat().st_size // 2  # every file of the run's logs stays far below it
+    (ckpts / "step_00000005.tmp").mkdir()  # what a save killed half-way leaves
+    (ckpts / "step_00000005.tmp" / "junk").write_bytes(b"x" * 100)
+    more = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 3},
+                        checkpoint={"save_every": 1})
+    proc = run_python(["-c", FULL_DISK, str(limit), "--config", more], timeout=300)
+    # steps 2 and 3 ran; the save of step 2 failed and training went on; the final one failed: exit 1
+    assert proc.returncode == 1, explain(proc)
+    assert "removed step_00000005.tmp" in proc.stderr, explain(proc)
+    assert "checkpoint step_00000002 could not be written" in proc.stderr and "Training goes on" in proc.stderr
+    assert "checkpoint step_00000003 could not be written" in proc.stderr and "GiB are free" in proc.stderr
+    assert "The last good checkpoint: step_00000001" in proc.stderr, explain(proc)
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2, 3]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000001"], "no partial save is left"
+    assert snapshot(ckpts / "step_00000001") == good and (ckpts / "latest").read_text().strip() == "step_00000001"
