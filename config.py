@@ -380,23 +380,38 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     return build(Config, raw, "")
 
 
-def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
-    """A YAML config; a top-level `base: other.yaml` (relative to this file) is read first and updated by this one."""
+def _read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None) -> dict:
+    """A YAML config; a top-level `base: other.yaml` (relative to this file) is read first and updated by this one.
+    named_by: the file whose `base:` names this one (for the messages)."""
     if not os.path.isfile(path):
+        if named_by is not None:
+            raise ConfigError(f"--config {named_by}: base: file not found: {path!r} (a base path is relative to the "
+                              "file that names it)")
         raise ConfigError(f"--config: file not found: {path!r}")
     if os.path.abspath(path) in seen:
         raise ConfigError(f"--config {path}: `base` files include each other: {' -> '.join(seen)}")
-    with open(path) as f:
-        try:
-            raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"--config {path}: line {line}, column {column}: byte 0x{data[e.start]:02x} is not UTF-8 "
+                          "text (save the file as UTF-8)") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    if raw is None:
+        raise ConfigError(f"--config {path}: the file is empty; start from configs/quickstart.yaml (python "
+                          "train_ppo.py --help lists every key)")
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     base = raw.pop("base", None)
     if base is None:
         return raw
-    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*seen, os.path.abspath(path)))
+    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*seen, os.path.abspath(path)), named_by=path)
     _deep_update(merged, raw)
     return merged
 
@@ -818,6 +833,10 @@ def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Co
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     args = parser.parse_args(argv)
     try:
+        if args.config is None and not args.overrides:
+            prog = os.path.basename(sys.argv[0]) or "train_ppo.py"
+            raise ConfigError(f"no config given: python {prog} --config configs/quickstart.yaml [key=value ...] "
+                              "(--help lists every key)")
         cfg = load_config(args.config, args.overrides)
         (check or check_ppo)(cfg, world_size)
     except ConfigError as e:

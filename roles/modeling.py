@@ -466,8 +466,10 @@ def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, repli
             for i, mb in enumerate(micro):
                 set_grad_sync(model, sync_now(i, len(micro), grad_sync_every))
                 loss = micro_loss(mb, tokens, seqs)
-                # FSDP averages gradients over the dp ranks; the losses are already global sums
-                (loss * pool.dp_size).backward()
+                # FSDP averages gradients over the dp ranks; the losses are already global sums. The attention
+                # backends again: activation checkpointing recomputes the forward inside backward
+                with sdpa_kernel(ATTENTION_BACKENDS):
+                    (loss * pool.dp_size).backward()
                 mini_loss = mini_loss + loss.detach()
             replicas.after_backward(model)
             norm = grad_norm_and_clip(model, cfg.optim.grad_clip)

@@ -159,3 +159,22 @@ def test_temperature_zero_exits_2_before_any_step(tmp_path):
                        f"run.output_dir={tmp_path}"], timeout=120)
     assert proc.returncode == 2 and "rollout.temperature=0.0" in proc.stderr, explain(proc)
     assert not any(tmp_path.iterdir()), "nothing written"
+
+
+def test_a_missing_or_unreadable_config_is_named(tmp_path, capsys):
+    """No arguments, an empty file, a `base:` that is not there, a byte that is not UTF-8: each says what is wrong
+    with which file (they used to talk about the reward, blame --config, or print a traceback)."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: gone.yaml\nrun: {name: c}\n")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"run:\n  name: caf\xe9\n")
+    cases = [([], "no config given: python "), (["--config", str(empty)], f"--config {empty}: the file is empty"),
+             (["--config", str(child)], f"--config {child}: base: file not found: '{tmp_path / 'gone.yaml'}'"),
+             (["--config", str(latin)], f"--config {latin}: line 2, column 12: byte 0xe9 is not UTF-8 text")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            C.parse_or_exit(argv, world_size=1, rank=0)
+        assert stop.value.code == 2
+        assert message in capsys.readouterr().err, argv
