@@ -74,7 +74,7 @@ def test_a_metrics_line_cut_in_half_is_dropped_on_resume(assets, tmp_path):  # n
 
 def test_every_group_honours_the_configured_timeout():
     """distributed.timeout_s reaches the groups meshrl creates itself (pool, I/O, pair) and those DeviceMesh creates,
-    not only the default group: a rank that stops taking part fails its peers' collectives in about that time."""
+    not only the default group: a rank stopped with SIGSTOP fails its peers' collectives in about that time."""
     from tests.dist.group_timeout import TIMEOUT_S
 
     began = time.time()
