@@ -1,7 +1,8 @@
 """Every group meshrl creates honours distributed.timeout_s (4 CPU processes, gloo). Launched by
 tests/test_faults.py. Rank 1 stops itself with SIGSTOP; rank 0 runs one all-reduce on each group it shares with it
-(the pool's group, its gloo I/O group, its DeviceMesh tp axis, the pair group of two pools) and prints how long each
-took to fail; then sends SIGCONT. torch's default for a group created without a timeout is 30 min on gloo: without the fix the first one hangs."""
+(the pool's group, its gloo I/O group, its DeviceMesh tp axis, the pair group of two pools), prints how long each
+took to fail, then sends SIGCONT. torch's default for a group created without a timeout is 30 min on gloo: without
+the fix the first one hangs."""
 
 from __future__ import annotations
 
