@@ -86,6 +86,18 @@ def _files(folder: str) -> list[str]:
     return sorted(f for f in out if f != CHECKSUMS)
 
 
+def _agree(error: str | None) -> str | None:
+    """Every rank calls: the first rank's error message, on every rank, or None when no rank failed."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    return next((e for e in everyone if e), None)
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as one short line for a message every rank shares."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
 def write_checksums(folder: str) -> None:
     """Every rank calls: the CRC-32 of every file of the finished checkpoint, the files dealt round-robin over the
     ranks (each reads ~1/world of the bytes), into `checksums.json` (rank 0)."""
@@ -121,23 +133,14 @@ def verify_checksums(folder: str) -> None:
                     break
         except (OSError, ValueError) as e:
             problem = f"{CHECKSUMS} is unreadable: {e}"
-    flags: list = [None] * world
-    dist.all_gather_object(flags, problem)
-    found = [p for p in flags if p]
-    if found:
-        raise RuntimeError(found[0])
+    problem = _agree(problem)
+    if problem:
+        raise RuntimeError(problem)
 
 
 class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, a write error on some rank). Raised on every rank after the
     partial files were removed; the checkpoints before it are untouched."""
-
-
-def _agree(error: str | None) -> str | None:
-    """Every rank calls: the first rank's error message, on every rank, or None when no rank failed."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, error)
-    return next((e for e in everyone if e), None)
 
 
 def _folder_bytes(folder: str) -> int:
@@ -185,13 +188,13 @@ class PendingSave:
             for future in self.futures:
                 future.result()
         except Exception as e:  # a background write failed (disk full): every rank learns it below
-            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            error = _describe(e)
         error = _agree(error)
         if error is None:
             try:
                 write_checksums(self.tmp)
             except OSError as e:
-                error = f"{type(e).__name__}: {e}"
+                error = _describe(e)
             error = _agree(error)
         if error is not None:
             raise _failed(self.root, self.tmp, error)
@@ -225,7 +228,7 @@ def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dic
         if rank == 0:
             torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
     except (Exception, CheckpointException) as e:  # a full disk, a failed write on this rank
-        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        error = _describe(e)
     error = _agree(error)
     if error is not None:
         for future in futures:  # let a background write that did start end before its folder goes

@@ -369,6 +369,17 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_from_logits, entropy_from_logits) of the same logits in one pass over them, each [B, T] float32,
     both differentiable (an unused one costs nothing in backward)."""
+    _check_logits(logits, labels, temperature, chunk_size)
+    return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), chunk_size)
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _check_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int) -> None:
+    """The arguments of logprobs_from_logits and logprobs_and_entropy."""
     if logits.dim() != 3 or tuple(labels.shape) != tuple(logits.shape[:2]):
         raise ValueError(
             f"need logits [B, T, V] and labels [B, T], got {tuple(logits.shape)} and {tuple(labels.shape)}"
@@ -376,12 +387,6 @@ def logprobs_and_entropy(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     _check_chunk_size(chunk_size)
-    return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), chunk_size)
-
-
-def _check_chunk_size(chunk_size: int) -> None:
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
@@ -410,11 +415,5 @@ def logprobs_from_logits(
     Returns [B, T] in float32 (float64 for float64 input). At most chunk_size positions are upcast at a time, in
     forward and in backward, so no float32 copy of the whole [B, T, V] exists; differentiable w.r.t. logits.
     """
-    if logits.dim() != 3 or tuple(labels.shape) != tuple(logits.shape[:2]):
-        raise ValueError(
-            f"need logits [B, T, V] and labels [B, T], got {tuple(logits.shape)} and {tuple(labels.shape)}"
-        )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    _check_chunk_size(chunk_size)
+    _check_logits(logits, labels, temperature, chunk_size)
     return _ChunkedLogprobs.apply(logits, labels, float(temperature), chunk_size)

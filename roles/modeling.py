@@ -187,7 +187,8 @@ def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | No
     """
     n = batch_size(batch)
     lengths = torch.stack([batch["prompt_len"], batch["response_len"]]).cpu() if n else torch.zeros(2, 0)
-    full = (lengths[0] + lengths[1]).tolist()
+    host = torch.stack([lengths[0], lengths[0] + lengths[1]], 1).long()  # [n, 2]: prompt and full length
+    full = host[:, 1].tolist()
     rounded = [_round_up(x, WIDTH_MULTIPLE) for x in full]
     count = torch.tensor([float(max(1, len(greedy_runs(rounded, max(token_budget, 1)))))])
     if group is not None and dist.get_world_size(group) > 1:
@@ -196,13 +197,13 @@ def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | No
     count = int(count)
     out = []
     by_length = sorted(range(n), key=lambda i: -full[i])  # ties of the rounded widths: the longest first
-    for group in length_groups([rounded[i] for i in by_length], count):
-        rows = [by_length[j] for j in group]
+    for members in length_groups([rounded[i] for i in by_length], count):
+        rows = [by_length[j] for j in members]
         index = torch.tensor(sorted(rows), dtype=torch.long)
         width = max(rounded[i] for i in rows)
         resp = max(int(lengths[1, index].max()), 1)
         mb = trim(select(batch, index.to(batch["prompt_len"].device)), width, resp)
-        mb["lengths_host"] = torch.stack([lengths[0, index], lengths[0, index] + lengths[1, index]], 1).long()
+        mb["lengths_host"] = host[index]
         mb["row_index"] = index
         out.append(mb)
     # padding rows go last (see join_rows)

@@ -18,16 +18,26 @@ def snapshot(folder) -> dict:
     return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_a_resume_that_can_read_no_checkpoint_stops_and_keeps_them(assets, tmp_path):  # noqa: F811
-    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 2})
+def finished_run(assets, tmp_path, steps: int):  # noqa: F811
+    """Run `steps` steps of the test config; returns its run folder and a snapshot of its checkpoints and metrics."""
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": steps})
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 0, explain(proc)
     run = tmp_path / "runs" / "t"
-    before = snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()
+    return run, (snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text())
+
+
+def another_model(path, hidden_size: int, seed: int):
+    """The test model's shape with another width and/or other random weights, as an HF folder."""
+    save_tiny_model(path, build_char_tokenizer("0123456789+="), hidden_size=hidden_size, num_layers=2, num_heads=4,
+                    num_kv_heads=2, intermediate_size=64, max_position_embeddings=64, seed=seed)
+    return path
+
+
+def test_a_resume_that_can_read_no_checkpoint_stops_and_keeps_them(assets, tmp_path):  # noqa: F811
+    run, before = finished_run(assets, tmp_path, steps=2)
     # the same run name with another architecture: the checkpoint's shapes do not fit the model
-    wider = tmp_path / "wider"
-    save_tiny_model(wider, build_char_tokenizer("0123456789+="), hidden_size=48, num_layers=2, num_heads=4,
-                    num_kv_heads=2, intermediate_size=64, max_position_embeddings=64, seed=0)
+    wider = another_model(tmp_path / "wider", hidden_size=48, seed=0)
     changed = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 4},
                            model={"path": str(wider)})
     proc = run_python(["train_ppo.py", "--config", changed], timeout=300)
@@ -57,10 +67,8 @@ def test_a_second_live_run_in_the_same_folder_is_refused(assets, tmp_path):  # n
 
 
 def test_a_metrics_line_cut_in_half_is_dropped_on_resume(assets, tmp_path):  # noqa: F811
-    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 2})
-    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
-    assert proc.returncode == 0, explain(proc)
-    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    run, _ = finished_run(assets, tmp_path, steps=2)
+    metrics = run / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"step": 3, "reward/sco')  # a kill in the middle of a write
     more = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 3})
@@ -88,15 +96,9 @@ def test_every_group_honours_the_configured_timeout():
 
 
 def test_a_resume_that_changes_what_the_run_means_is_refused_unless_allowed(assets, tmp_path):  # noqa: F811
-    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1})
-    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
-    assert proc.returncode == 0, explain(proc)
-    run = tmp_path / "runs" / "t"
-    before = snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()
+    run, before = finished_run(assets, tmp_path, steps=1)
     # the same architecture, so the checkpoint would load: another batch size and another reference model
-    other = tmp_path / "other_model"
-    save_tiny_model(other, build_char_tokenizer("0123456789+="), hidden_size=32, num_layers=2, num_heads=4,
-                    num_kv_heads=2, intermediate_size=64, max_position_embeddings=64, seed=1)
+    other = another_model(tmp_path / "other_model", hidden_size=32, seed=1)
     changed = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
                            data={"batch_size": 4}, reference={"model_path": str(other)}, actor={"clip_high": 0.28})
     proc = run_python(["train_ppo.py", "--config", changed], timeout=300)
@@ -126,10 +128,8 @@ runpy.run_path("train_ppo.py", run_name="__main__")
 
 
 def test_a_save_that_cannot_be_written_is_removed_and_training_goes_on(assets, tmp_path):  # noqa: F811
-    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1})
-    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
-    assert proc.returncode == 0, explain(proc)
-    ckpts = tmp_path / "runs" / "t" / "checkpoints"
+    run, _ = finished_run(assets, tmp_path, steps=1)
+    ckpts = run / "checkpoints"
     good = snapshot(ckpts / "step_00000001")
     shard = max((ckpts / "step_00000001" / "actor").glob("*.distcp"), key=lambda p: p.stat().st_size)
     limit = shard.stat().st_size // 2  # every file of the run's logs stays far below it
