@@ -47,6 +47,9 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = True
     prometheus_port: int | None = None  # rank 0 serves the step metrics at http://HOST:PORT/metrics
+    wandb: bool = False  # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline needs no network)
+    wandb_project: str = "meshrl"
+    wandb_entity: str | None = None  # the W&B team or user; default: your W&B default
     profile_step: int | None = None  # torch.profiler over this step: profile_step<N>_rank<R>.{txt,json} in the run dir
 
 
@@ -106,12 +109,12 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = ""  # .jsonl, .parquet or a datasets.save_to_disk folder with a `prompt` column
-    eval_path: str | None = None
+    eval_path: str | list[str] | None = None  # one file or a list; with several, each is reported as its own source
     prompt_key: str = "prompt"
     ground_truth_key: str = "ground_truth"
     max_prompt_len: int = 512
     batch_size: int = 8  # prompts per step, over all data-parallel ranks of the actor pool
-    eval_size: int = 0  # 0: the whole eval set
+    eval_size: int = 0  # prompts taken from the start of each eval file; 0: all of them
     shuffle: bool = True
     chat_template: bool | None = None  # null: template chat-message prompts only; true: text prompts too; false: never
     system_prompt: str | None = None  # a system message first in every templated prompt that has none
@@ -472,7 +475,9 @@ def _coerce(tp, value, where: str):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        assert len(inner) == 1, f"schema: only Optional[X] unions are supported ({where})"
+        if len(inner) == 2 and typing.get_origin(inner[1]) is list:  # X | list[X]: one value or a list of them
+            return _coerce(inner[1] if isinstance(value, list) else inner[0], value, where)
+        assert len(inner) == 1, f"schema: only Optional[X] and X | list[X] unions are supported ({where})"
         return _coerce(inner[0], value, where)
     if origin is Literal:
         if value not in args:
@@ -596,6 +601,11 @@ def check_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError("algorithm.kl.in_reward and algorithm.kl.in_loss are both true; choose one")
     if cfg.reward.model_path is None and not cfg.reward.functions:
         raise ConfigError("reward: set reward.model_path or reward.functions (e.g. [{spec: gsm8k}])")
+    if cfg.run.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("run.wandb=true but wandb is not installed: pip install wandb (or run.wandb=false)")
     actor = next(p for p in pools_of(cfg, world_size) if "actor" in p.roles)
     dp = actor.size // actor.tp
     if cfg.data.batch_size % dp:
@@ -605,6 +615,15 @@ def check_ppo(cfg: Config, world_size: int) -> None:
         for key, path in (("data.train_path", cfg.data.train_path), ("model.path", cfg.model.path)):
             if not path or not os.path.exists(path):
                 raise ConfigError(f"{key}={path!r}: not found")
+        paths = eval_paths(cfg.data.eval_path)
+        for i, path in enumerate(paths):
+            if not os.path.exists(path):
+                raise ConfigError(f"data.eval_path{f'[{i}]' if len(paths) > 1 else ''}={path!r}: not found")
+
+
+def eval_paths(eval_path: str | list[str] | None) -> list[str]:
+    """data.eval_path as a list: none, one file or several."""
+    return [] if eval_path is None else [eval_path] if isinstance(eval_path, str) else list(eval_path)
 
 
 def check_vllm(cfg: Config, world_size: int) -> None:

@@ -1,5 +1,6 @@
-"""Run monitoring on the logging rank: `metrics.jsonl` (one line per step), TensorBoard scalars and text, and a
-console line per step. Other ranks send their metrics to rank 0 with `gather_metrics`."""
+"""Run monitoring on the logging rank: `metrics.jsonl` (one line per step), TensorBoard scalars and text, optionally
+Prometheus gauges and Weights & Biases, and a console line per step. Other ranks send their metrics to rank 0 with
+`gather_metrics`."""
 
 from __future__ import annotations
 
@@ -148,9 +149,13 @@ def memory_gb(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, tensorboard: bool = True, prometheus_port: int | None = None):
+    """`wandb`: the keyword arguments of WandbRun (project, entity, name, config), or None for no W&B."""
+
+    def __init__(self, run_dir: str, tensorboard: bool = True, prometheus_port: int | None = None,
+                 wandb: dict | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.prometheus = PrometheusGauges(prometheus_port) if prometheus_port is not None else None
+        self.wandb = WandbRun(run_dir, **wandb) if wandb is not None else None
         self.run_dir = run_dir
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.tb = None
@@ -170,6 +175,8 @@ class MetricsLogger:
             self.tb.flush()
         if self.prometheus is not None:
             self.prometheus.set({"step": step, **metrics})
+        if self.wandb is not None:
+            self.wandb.log(step, clean)
 
     def truncate_after(self, step: int) -> None:
         """On resume from checkpoint `step`: forget what was logged after it (metrics.jsonl, eval_samples.jsonl),
@@ -205,6 +212,8 @@ class MetricsLogger:
         """Every eval prompt's response and score, one JSON line per eval step (eval_samples.jsonl)."""
         with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "samples": rows}) + "\n")
+        if self.wandb is not None:
+            self.wandb.samples(step, rows)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.tb is not None:
@@ -231,6 +240,49 @@ class MetricsLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+
+
+class WandbRun:
+    """run.wandb: the step metrics, the resolved config and the eval samples (a table per eval) in Weights & Biases.
+    WANDB_MODE=offline writes them under runs/NAME/wandb for a later `wandb sync`. One W&B run per meshrl run: its
+    id is kept in runs/NAME/wandb_id and a resume goes on in it (W&B keeps the first value it got for a step, so the
+    steps between a checkpoint and a crash show the lost attempt's values there; metrics.jsonl has the resumed ones)."""
+
+    def __init__(self, run_dir: str, project: str, name: str, config: dict, entity: str | None = None):
+        import uuid
+
+        import wandb  # optional: config.check_ppo refuses run.wandb=true without it
+
+        id_file = os.path.join(run_dir, "wandb_id")
+        if os.path.exists(id_file):
+            with open(id_file) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = uuid.uuid4().hex[:16]
+            with open(id_file, "w") as f:
+                f.write(run_id + "\n")
+        self.wandb = wandb
+        self.run = wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow", dir=run_dir,
+                              config=config)
+        self.last_step = self.run.step - 1 if self.run.resumed else -1
+
+    def log(self, step: int, metrics: dict) -> None:
+        # the start-up eval and step 1 share nothing but their step numbers; W&B refuses a step below its last one
+        if step < self.last_step:
+            return
+        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        self.last_step = step
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        if rows and step >= self.last_step:
+            table = self.wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+            self.run.log({"eval/samples": table}, step=step)
+            self.last_step = step
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class PrometheusGauges:

@@ -50,7 +50,7 @@ from roles.reference import Reference
 from roles.reward import Reward, decode_responses
 from rollout.api import stop_token_ids
 from rollout.native import RolloutOutput, SamplingParams
-from tasks.data import PromptDataset, PromptSampler, load_prompt_records
+from tasks.data import PromptDataset, PromptSampler, load_eval_records, load_prompt_records
 
 log = logging.getLogger("meshrl")
 
@@ -98,9 +98,9 @@ class PPOTrainer:
                                                            cfg.data.ground_truth_key), self.tokenizer,
                                        cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
         self.eval_set = None
-        if cfg.data.eval_path:
-            self.eval_set = PromptDataset(load_prompt_records(cfg.data.eval_path, cfg.data.prompt_key,
-                                                              cfg.data.ground_truth_key), self.tokenizer,
+        if C.eval_paths(cfg.data.eval_path):
+            self.eval_set = PromptDataset(load_eval_records(C.eval_paths(cfg.data.eval_path), cfg.data.prompt_key,
+                                                            cfg.data.ground_truth_key), self.tokenizer,
                                           cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, seed=cfg.run.seed,
                                      shuffle=cfg.data.shuffle)
@@ -153,7 +153,9 @@ class PPOTrainer:
         self.pending_save: checkpoint.PendingSave | None = None
         self.clock: tuple[int, float] | None = None  # (first step, its start time) of this process: the ETA
         if self.rank == 0:
-            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
+            wandb = dict(project=cfg.run.wandb_project, entity=cfg.run.wandb_entity, name=cfg.run.name,
+                         config=C.to_dict(cfg)) if cfg.run.wandb else None
+            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port, wandb)
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:  # the resolved config of this start
                 yaml.safe_dump(C.to_dict(cfg), f, sort_keys=False)
 
@@ -322,8 +324,11 @@ class PPOTrainer:
         if self.eval_set is None:
             return {}, []
         P = self.pools
-        n_eval = self.cfg.data.eval_size or len(self.eval_set)
-        indices = list(range(min(n_eval, len(self.eval_set))))
+        indices, taken = [], {}
+        for i, item in enumerate(self.eval_set.items):  # the first data.eval_size prompts of each file
+            taken[item["file"]] = taken.get(item["file"], 0) + 1
+            if not self.cfg.data.eval_size or taken[item["file"]] <= self.cfg.data.eval_size:
+                indices.append(i)
         batch = None
         if self.actor is not None:
             batch = self._generate(self.eval_set, indices, self.eval_params)

@@ -121,6 +121,21 @@ def load_prompt_records(
     return records
 
 
+def load_eval_records(paths: list[str], prompt_key: str = "prompt", ground_truth_key: str = "ground_truth"
+                      ) -> list[dict]:
+    """The prompt records of several eval files, each tagged with its file's position (`file`). With more than one
+    file, a record without a `data_source` column gets its file's name as one, so eval reports each file apart."""
+    names = [Path(p).stem for p in paths]
+    names = names if len(set(names)) == len(names) else [str(p) for p in paths]
+    records = []
+    for k, path in enumerate(paths):
+        for record in load_prompt_records(path, prompt_key, ground_truth_key):
+            if len(paths) > 1 and record["columns"].get("data_source") is None:
+                record["columns"]["data_source"] = names[k]
+            records.append({**record, "file": k})
+    return records
+
+
 def load_sft_records(path: str | Path, prompt_key: str = "prompt", response_key: str = "response") -> list[dict]:
     """Supervised pairs `{"prompt": str | list[dict], "response": str}` from the same formats as prompts."""
     records = []
@@ -205,6 +220,7 @@ class PromptDataset:
                         "ground_truth": record.get("ground_truth"),
                         "prompt_text": prompt_texts[i],
                         "columns": record.get("columns", {}),
+                        "file": record.get("file", 0),
                     }
                 )
         self.n_dropped_too_long = len(records) - len(self.items)

@@ -39,12 +39,28 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ({}, ["actor.optim.lr"], "expected KEY=VALUE"),
         ({}, ["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator='ppo': must be one of 'gae', 'grpo'"),
         ({"placement": {"pools": [{"name": "a", "sise": 2}]}}, [], "did you mean 'placement.pools[0].size'?"),
+        ({"data": {"eval_path": ["a.jsonl", 3]}}, [], "data.eval_path[1]=3: expected a string"),
+        ({"data": {"eval_path": 3}}, [], "data.eval_path=3: expected a string"),
     ],
 )
 def test_key_and_type_errors_name_the_key(tmp_path, raw, overrides, needle):
     with pytest.raises(C.ConfigError) as err:
         C.load_config(write(tmp_path, raw), overrides)
     assert needle in str(err.value)
+
+
+def test_eval_path_is_one_file_or_several(tmp_path):
+    assert C.load_config(write(tmp_path, {"data": {"eval_path": "a.jsonl"}})).data.eval_path == "a.jsonl"
+    both = C.load_config(write(tmp_path, {}), ["data.eval_path=[a.jsonl, b.parquet]"]).data.eval_path
+    assert both == ["a.jsonl", "b.parquet"] and C.eval_paths(both) == both and C.eval_paths("a") == ["a"]
+    assert C.eval_paths(None) == []
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    cfg = C.load_config(write(tmp_path, {"data": {"train_path": str(data), "eval_path": [str(data), "nowhere.jsonl"]},
+                                         "model": {"path": model_dir(tmp_path)},
+                                         "reward": {"functions": [{"spec": "gsm8k"}]}}))
+    with pytest.raises(C.ConfigError, match=r"data.eval_path\[1\]='nowhere.jsonl': not found"):
+        C.check_ppo(cfg, 1)
 
 
 def model_dir(tmp_path, heads=4, kv_heads=2):

@@ -21,8 +21,10 @@ def test_verl_style_reward_reads_the_data_columns(assets, tmp_path):  # noqa: F8
     train = [json.loads(line) for line in (assets / "train.jsonl").read_text().splitlines()]
     data = rows_of(tmp_path / "train.jsonl",
                    [{**r, "data_source": "add", "extra_info": {"weight": 5.0}} for r in train])
+    # a second eval file, with no data_source column: reported under its file's name
+    second = rows_of(tmp_path / "second.jsonl", [{**r, "extra_info": {"weight": 2.0}} for r in train])
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
-                       data={"train_path": data, "eval_path": data, "eval_size": 4},
+                       data={"train_path": data, "eval_path": [data, second], "eval_size": 4},
                        rollout={"eval_n": 2, "eval_temperature": 1.0},
                        reward={"functions": [{"spec": "tests.user_rewards:compute_score"}]})
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
@@ -31,7 +33,11 @@ def test_verl_style_reward_reads_the_data_columns(assets, tmp_path):  # noqa: F8
     # 5 from extra_info on every sample, plus 1 for an exact answer
     assert 5.0 <= step["reward/score/mean"] <= 6.0 and step["reward/score/min"] >= 5.0, step
     # eval per data source, and pass@2 over the 2 samples of each prompt (>= the per-sample accuracy)
-    assert start["eval/add/score/mean"] == start["eval/score/mean"] and "eval/add/pass@2" in start, start
+    assert 5.0 <= start["eval/add/score/mean"] <= 6.0 and "eval/add/pass@2" in start, start
+    assert 2.0 <= start["eval/second/score/mean"] <= 3.0 and "eval/second/pass@2" in start, start
+    # data.eval_size=4 prompts from each file: equal counts, so the overall mean is the mean of the two
+    both = (start["eval/add/score/mean"] + start["eval/second/score/mean"]) / 2
+    assert abs(start["eval/score/mean"] - both) < 1e-9, start
     assert start["eval/pass@2"] >= start["eval/accuracy"], start
 
 

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from tasks.char_tokenizer import build_char_tokenizer
-from tasks.data import PromptDataset, PromptSampler, load_prompt_records, load_sft_records, shard_indices
+from tasks.data import (
+    PromptDataset,
+    PromptSampler,
+    load_eval_records,
+    load_prompt_records,
+    load_sft_records,
+    shard_indices,
+)
 
 TEXT_ROWS = [
     {"prompt": "1+2=", "ground_truth": "3", "id": 0},
@@ -138,6 +145,22 @@ def test_empty_file(tmp_path):
     path.write_text("\n")
     with pytest.raises(ValueError, match="no records"):
         load_prompt_records(path)
+
+
+def test_several_eval_files_are_tagged_by_file_and_named_as_sources(tmp_path):
+    tagged = [{**TEXT_ROWS[0], "data_source": "gsm8k"}, *TEXT_ROWS[1:]]
+    a, b = write(tagged, tmp_path / "math", "jsonl"), write(TEXT_ROWS[:2], tmp_path / "other", "parquet")
+    records = load_eval_records([a, b])
+    assert [r["file"] for r in records] == [0, 0, 0, 1, 1]
+    # a record's own data_source wins; the others get their file's name
+    assert [r["columns"]["data_source"] for r in records] == ["gsm8k", "math", "math", "other", "other"]
+    assert without_columns(records)[3:] == [{**r, "file": 1} for r in without_columns(load_prompt_records(b))]
+    # one file: nothing added (the overall eval metrics are the only ones)
+    assert all("data_source" not in r["columns"] for r in load_eval_records([b]))
+    # two files of one name: the paths tell them apart
+    (tmp_path / "sub").mkdir()
+    c = write(TEXT_ROWS[:1], tmp_path / "sub" / "math", "jsonl")
+    assert {r["columns"]["data_source"] for r in load_eval_records([a, c])} == {"gsm8k", str(a), str(c)}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
