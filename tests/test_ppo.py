@@ -76,8 +76,10 @@ def test_ppo_split_four_ranks_learns(assets, tmp_path):
     # 5 eval prompts on 2 actor ranks: dealt 3 + 2, scored on the 1-rank reward pool, each score back to its sample
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", placement=SPLIT, run={"total_steps": 12},
                        data={"eval_size": 5})
-    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=4, timeout=400)
+    # a FutureWarning is an error here: none may come from our calls (torch 2.13 renamed FSDP2's collectives)
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=4, timeout=400, PYTHONWARNINGS="error::FutureWarning")
     assert proc.returncode == 0, explain(proc)
+    assert "Warning" not in proc.stderr, explain(proc)
     rows = read_metrics(tmp_path / "runs")
     assert [r["step"] for r in rows] == list(range(13)), "one metrics line per step, eval at 0"
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",

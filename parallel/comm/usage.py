@@ -74,6 +74,11 @@ class CommTimer:
         return out
 
 
+# torch 2.13 renamed the two collectives FSDP2 calls (the old names warn there); torch 2.11 has only the old ones
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _TimedAllGather:
     def __init__(self, timer: CommTimer):
         self.timer = timer
@@ -84,9 +89,9 @@ class _TimedAllGather:
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if async_op:
             self.timer.untimed += 1
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+            return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=True)
         with self.timer.span("all_gather"):
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+            return _ALL_GATHER(output_tensor, input_tensor, group=group)
 
 
 class _TimedReduceScatter:
@@ -99,9 +104,9 @@ class _TimedReduceScatter:
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         if async_op:
             self.timer.untimed += 1
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+            return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=True)
         with self.timer.span("reduce_scatter"):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group)
 
 
 def device_memory_fraction(device: torch.device) -> float | None:
