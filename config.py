@@ -270,6 +270,26 @@ class SFTConfig:
 
 
 @dataclass
+class RMConfig:
+    """train_rm.py: a reward model trained on preference pairs (Bradley-Terry loss, chosen over rejected)."""
+
+    train_path: str = ""  # pairs: prompt, chosen, rejected (text or one assistant message), optional margin
+    eval_path: str | None = None  # held-out pairs; null: hold out eval_fraction of train_path
+    eval_fraction: float = 0.05  # share of the train pairs held out (at random) when eval_path is null; 0: no eval
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: str = "margin"  # a number the chosen score must beat the rejected one by; 0 where absent
+    steps: int = 100
+    batch_size: int = 16  # pairs per step over all data-parallel ranks (also the eval chunk)
+    lr: float = 1e-5
+    eval_every: int = 0  # steps; 0: evaluate only at the start and the end
+    max_len: int = 1024  # tokens of prompt + response; pairs with a longer side are dropped and counted
+    output_dir: str = "runs/rm_model"  # the HF sequence-classification folder reward.model_path can name
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
 class QuickstartConfig:
     """Build a tiny model, a character tokenizer and the addition task locally, and warm-start it with SFT."""
 
@@ -301,8 +321,6 @@ class CommConfig:
     compression: Literal["none", "bf16", "fp16", "int8", "topk"] = "none"
     topk_ratio: float = 0.01
     error_feedback: bool = True
-    comm_fraction_warn: float = 0.3
-    memory_fraction_warn: float = 0.8
     # local SGD across dp_replicate: no gradient all-reduce over replicas, parameters averaged every k optimizer steps,
     # k adapted between averaging_k_min and averaging_k_max from the loss change rate (comm/sync_period)
     param_averaging: bool = False
@@ -318,9 +336,8 @@ class CommConfig:
         if not 1 <= self.averaging_k_min <= self.averaging_k_max:
             raise ConfigError(f"comm.averaging_k_min={self.averaging_k_min}, comm.averaging_k_max="
                               f"{self.averaging_k_max}: need 1 <= averaging_k_min <= averaging_k_max")
-        for key in ("topk_ratio", "comm_fraction_warn", "memory_fraction_warn"):
-            if not 0 < getattr(self, key) <= 1:
-                raise ConfigError(f"comm.{key}={getattr(self, key)}: must be in (0, 1]")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"comm.topk_ratio={self.topk_ratio}: must be in (0, 1]")
         if self.stale_allreduce and (self.param_averaging or self.compression != "none"):
             other = "comm.param_averaging=true" if self.param_averaging else f"comm.compression={self.compression}"
             raise ConfigError(f"comm.stale_allreduce=true with {other}: choose one way of joining the replicas "
@@ -329,6 +346,28 @@ class CommConfig:
             name = entry.partition("=")[0].strip()
             if "=" not in entry or not name.replace("_", "a").isalnum() or name[0].isdigit():
                 raise ConfigError(f"comm.extra_env[{i}]={entry!r}: expected KEY=VALUE, e.g. NCCL_NET_GDR_LEVEL=PHB")
+
+
+@dataclass
+class HealthConfig:
+    """Health thresholds: crossing one logs a warning (again only after going back), sets health/<name> to 1 in the
+    metrics while crossed and is counted in summary.json; null turns one off."""
+
+    min_throughput: float | None = None  # perf/throughput (tokens/s per rank) below this: warn
+    min_gpu_util: float | None = 0.6  # perf/gpu_util (NVML, mean over the step, 0-1) below this: warn (GPU only)
+    max_comm_fraction: float | None = 0.3  # perf/comm_fraction (time in collectives / step time) above: warn
+    max_memory_fraction: float | None = 0.8  # perf/memory_fraction (peak reserved / device memory) above: warn
+    max_reshard_s: float | None = 10.0  # timing_s/reshard (actor weights into the rollout engine) above: warn
+    gpu_sample_s: float = 0.5  # NVML sampling period of perf/gpu_util and perf/gpu_memory_used_gb during the step
+
+    def __post_init__(self):
+        for key in ("min_gpu_util", "max_comm_fraction", "max_memory_fraction"):
+            if getattr(self, key) is not None and not 0 < getattr(self, key) <= 1:
+                raise ConfigError(f"health.{key}={getattr(self, key)}: must be in (0, 1] (or null: off)")
+        for key in ("min_throughput", "max_reshard_s", "gpu_sample_s"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ConfigError(f"health.{key}={getattr(self, key)}: must be > 0"
+                                  + (" (or null: off)" if key != "gpu_sample_s" else ""))
 
 
 @dataclass
@@ -366,8 +405,10 @@ class Config:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     quickstart: QuickstartConfig = field(default_factory=QuickstartConfig)
 
 
@@ -444,6 +485,8 @@ def _apply_override(raw: dict, item: str) -> None:
 RENAMED = {
     "algorithm.kl.kind": "it was split in two: algorithm.kl.reward_kind (the estimator in the reward, default k1) and "
                          "algorithm.kl.loss_kind (in the loss, default low_var_kl)",
+    "comm.comm_fraction_warn": "it moved to health.max_comm_fraction (with the other health thresholds)",
+    "comm.memory_fraction_warn": "it moved to health.max_memory_fraction (with the other health thresholds)",
 }
 
 
@@ -709,6 +752,32 @@ def check_sft(cfg: Config, world_size: int) -> None:
     """Everything train_sft.py needs: one pool of all ranks for the model being fine-tuned."""
     check_world(cfg, world_size, ())
     for key, path in (("sft.train_path", cfg.sft.train_path), ("model.path", cfg.model.path)):
+        if not path or not os.path.exists(path):
+            raise ConfigError(f"{key}={path!r}: not found")
+
+
+RM_RANGES = (
+    ("rm.steps", "[0, inf)"), ("rm.batch_size", "[1, inf)"), ("rm.lr", "[0, inf)"), ("rm.eval_every", "[0, inf)"),
+    ("rm.eval_fraction", "[0, 1)"), ("rm.max_len", "[1, inf)"), ("run.log_every", "[1, inf)"),
+    ("distributed.timeout_s", "[1, inf)"),
+)
+
+
+def check_rm(cfg: Config, world_size: int) -> None:
+    """Everything train_rm.py needs: one pool of all ranks for the reward model, batches its data-parallel ranks
+    share evenly, the files."""
+    if cfg.placement.mode != "colocate":
+        raise ConfigError("train_rm.py trains one model on one pool of all ranks: use placement.mode=colocate "
+                          "(with placement.tp / placement.dp_replicate)")
+    check_world(cfg, world_size, ())
+    check_ranges(cfg, RM_RANGES)
+    dp = world_size // cfg.placement.tp
+    if cfg.rm.batch_size % dp:
+        raise ConfigError(f"rm.batch_size={cfg.rm.batch_size}: must be a multiple of the data-parallel size {dp} "
+                          f"(world size {world_size} / placement.tp {cfg.placement.tp}): each rank takes an equal "
+                          "share")
+    paths = [("rm.train_path", cfg.rm.train_path), ("model.path", cfg.model.path)]
+    for key, path in paths + ([("rm.eval_path", cfg.rm.eval_path)] if cfg.rm.eval_path is not None else []):
         if not path or not os.path.exists(path):
             raise ConfigError(f"{key}={path!r}: not found")
 

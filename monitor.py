@@ -13,6 +13,7 @@ import os
 import re
 import resource
 import sys
+import threading
 import time
 import warnings
 
@@ -99,7 +100,8 @@ def gather_metrics(local: dict[str, float]) -> dict[str, float]:
     for metrics in everyone:
         for k, v in metrics.items():
             sums.setdefault(k, []).append(float(v))
-    return {k: (sum(v) if k.startswith(SUMMED) else sum(v) / len(v)) for k, v in sorted(sums.items())}
+    return {k: (sum(v) if k.startswith(SUMMED) else max(v) if k in MAXED else sum(v) / len(v))
+            for k, v in sorted(sums.items())}
 
 
 def eval_sums(scores: list[float], lengths: list[int], prompt_index: list[int], sources: list) -> dict:
@@ -136,9 +138,10 @@ def eval_metrics(shares: list[dict], n: int) -> dict[str, float]:
     return out
 
 
-# counters add up over ranks (each counted by one rank: tp peers do not repeat them); everything else is a mean,
-# and the step's statistics are already global (the same on every rank that reports them)
+# counters add up over ranks (each counted by one rank: tp peers do not repeat them); the device's fullness is the
+# fullest rank's; everything else is a mean, and the step's statistics are already global (the same on every rank)
 SUMMED = ("reward_fn/errors", "reward_fn/timeouts")
+MAXED = ("perf/memory_fraction", "perf/gpu_memory_used_gb")
 
 
 def memory_gb(device: torch.device) -> float:
@@ -146,6 +149,172 @@ def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class GpuSampler:
+    """perf/gpu_util (mean of the samples, 0-1) and perf/gpu_memory_used_gb (their max; the device as NVML sees it,
+    other processes and memory outside PyTorch's allocator included) of this rank's GPU, read every `period_s` by a
+    background thread while the step runs, so its busy and its idle phases both count. `read`: () -> (utilisation
+    0-1, bytes used), e.g. `nvml_reader(device)`; None (no GPU, no NVML): no samples and no metrics."""
+
+    def __init__(self, read, period_s: float):
+        self.read, self.period_s = read, period_s
+        self.samples: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = None
+        if read is not None:
+            self.thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                sample = self.read()
+            except Exception as e:  # NVML gone (driver reset, lost device): monitoring stops, training goes on
+                logging.getLogger("meshrl").warning("GPU monitoring stopped: %s", e)
+                return
+            with self.lock:
+                self.samples.append(sample)
+            self.stopped.wait(self.period_s)
+
+    def pop(self) -> dict[str, float]:
+        """The samples since the last pop as metrics ({} when there are none)."""
+        with self.lock:
+            samples, self.samples = self.samples, []
+        if not samples:
+            return {}
+        return {"perf/gpu_util": sum(u for u, _ in samples) / len(samples),
+                "perf/gpu_memory_used_gb": max(m for _, m in samples) / 1e9}
+
+    def close(self) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+
+
+def nvml_reader(device: torch.device):
+    """() -> (utilisation 0-1, bytes used) of `device` through NVML (torch.cuda's pynvml calls), or None without a
+    GPU or without NVML (said once in the log)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.utilization(device)
+        torch.cuda.device_memory_used(device)
+    except Exception as e:  # pynvml missing, or a driver without NVML
+        logging.getLogger("meshrl").info("GPU utilisation metrics off: %s", e)
+        return None
+    return lambda: (torch.cuda.utilization(device) / 100.0, float(torch.cuda.device_memory_used(device)))
+
+
+# name: (metric, "min" or "max", health config key, what to say, what to try)
+HEALTH = {
+    "throughput": ("perf/throughput", "min", "min_throughput", "throughput {value:.4g} tokens/s per rank",
+                   "look at timing_s/* for the slow phase (bench/RESULTS.md has the expected figures)"),
+    "gpu_util": ("perf/gpu_util", "min", "min_gpu_util", "GPU utilisation {value:.0%}",
+                 "larger micro_batch_tokens or rollout batches; timing_s/* shows what waits"),
+    "comm": ("perf/comm_fraction", "max", "max_comm_fraction", "time in collectives is {value:.0%} of the step",
+             "comm.grad_sync_every, comm.compression or a larger micro_batch_tokens"),
+    "memory": ("perf/memory_fraction", "max", "max_memory_fraction", "peak device memory is {value:.0%} of the device",
+               "fsdp.cpu_offload, activation_checkpointing or a smaller micro_batch_tokens"),
+    "reshard": ("timing_s/reshard", "max", "max_reshard_s", "moving the actor's weights into the engine took "
+                "{value:.1f} s", "more ranks in the actor pool, or rollout.engine=native"),
+}
+
+
+class HealthWarnings:
+    """The health thresholds (config `health`) over each step's merged metrics: a warning when one is crossed, again
+    only after the metric went back, and health/<name> (1 while crossed, 0 otherwise) for every threshold whose
+    metric the step has, so metrics.jsonl, TensorBoard and Prometheus show them and run_summary counts them."""
+
+    def __init__(self, health_cfg):
+        self.limits = {name: getattr(health_cfg, key) for name, (_, _, key, _, _) in HEALTH.items()}
+        self.active: set[str] = set()
+
+    def check(self, metrics: dict[str, float]) -> dict[str, float]:
+        out = {}
+        for name, (metric, side, key, what, fix) in HEALTH.items():
+            limit, value = self.limits[name], metrics.get(metric)
+            if limit is None or value is None:
+                continue
+            crossed = value < limit if side == "min" else value > limit
+            out[f"health/{name}"] = float(crossed)
+            if crossed and name not in self.active:
+                logging.getLogger("meshrl").warning("health: %s (health.%s=%g): consider %s",
+                                                    what.format(value=value), key, limit, fix)
+            (self.active.add if crossed else self.active.discard)(name)
+        return out
+
+
+def read_metrics_file(run_dir: str) -> list[dict]:
+    """metrics.jsonl's lines (a non-finite value is null there)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_summary(rows: list[dict]) -> dict:
+    """The run report from metrics.jsonl's rows (so a resumed run's covers every step): steps, the seconds of each
+    phase summed over the steps with their share of the step time, mean tokens/s, peak memory, the eval score at
+    the start and at the last eval, skipped optimizer steps, reward-function errors and timeouts, and per health
+    threshold the steps at which it was crossed (a warning each)."""
+    steps = [r for r in rows if r["step"] > 0]
+
+    def values(key: str) -> list[float]:  # the finite values the steps logged under `key`
+        return [r[key] for r in steps if r.get(key) is not None]
+
+    def total(key: str) -> float:
+        return sum(values(key))
+
+    step_s = total("timing_s/step")
+    phases = sorted({k for r in steps for k in r if k.startswith("timing_s/")} - {"timing_s/step", "timing_s/startup"})
+    evals = [r for r in rows if r.get("eval/score/mean") is not None]
+    warnings_at: dict[str, list[int]] = {}
+    for name in HEALTH:
+        before = 0.0
+        for r in steps:
+            now = r.get(f"health/{name}") or 0.0
+            if now and not before:
+                warnings_at.setdefault(name, []).append(r["step"])
+            before = now
+    peaks = {k: max(values(k), default=None) for k in ("perf/max_memory_allocated_gb", "perf/gpu_memory_used_gb")}
+    throughput = values("perf/throughput")
+    return {
+        "steps": len(steps),
+        "last_step": steps[-1]["step"] if steps else 0,
+        "step_s": step_s,
+        "startup_s": total("timing_s/startup"),
+        "phases_s": {k.removeprefix("timing_s/"): total(k) for k in phases},
+        "phase_share": {k.removeprefix("timing_s/"): (total(k) / step_s if step_s else None) for k in phases},
+        "tokens_per_s_per_rank": sum(throughput) / len(throughput) if throughput else None,
+        "peak_memory_gb": peaks["perf/max_memory_allocated_gb"],
+        "peak_gpu_memory_used_gb": peaks["perf/gpu_memory_used_gb"],
+        "eval_before": evals[0]["eval/score/mean"] if evals and evals[0]["step"] == 0 else None,
+        "eval_after": evals[-1]["eval/score/mean"] if evals and evals[-1]["step"] > 0 else None,
+        "skipped_steps": total("actor/skipped_steps"),
+        "reward_fn_errors": total("reward_fn/errors"),
+        "reward_fn_timeouts": total("reward_fn/timeouts"),
+        "warnings": warnings_at,
+    }
+
+
+def summary_table(summary: dict) -> str:
+    """The console form of run_summary."""
+    def number(v, fmt="{:.4g}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = [f"run summary: {summary['steps']} steps (to step {summary['last_step']}), "
+             f"{summary['step_s']:.1f} s in steps + {summary['startup_s']:.1f} s start-up",
+             f"  {'phase':<16} {'seconds':>10} {'share':>7}"]
+    for phase, seconds in sorted(summary["phases_s"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {phase:<16} {seconds:>10.2f} {number(summary['phase_share'][phase], '{:.1%}'):>7}")
+    lines += [f"  tokens/s per rank {number(summary['tokens_per_s_per_rank'])}; peak memory "
+              f"{number(summary['peak_memory_gb'])} GB (GPU in use {number(summary['peak_gpu_memory_used_gb'])} GB)",
+              f"  eval/score/mean {number(summary['eval_before'])} -> {number(summary['eval_after'])}; skipped steps "
+              f"{summary['skipped_steps']:g}; reward-function errors {summary['reward_fn_errors']:g}, timeouts "
+              f"{summary['reward_fn_timeouts']:g}",
+              "  health warnings: " + (", ".join(f"{name} at steps {steps}" for name, steps in
+                                                 summary["warnings"].items()) or "none")]
+    return "\n".join(lines)
 
 
 class MetricsLogger:

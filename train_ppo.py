@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
@@ -29,15 +30,21 @@ from algo.kl_control import make_kl_controller
 from algo.pipeline import prepare_batch
 from batch import Batch, fit_width
 from monitor import (
+    GpuSampler,
+    HealthWarnings,
     MetricsLogger,
     eval_metrics,
     eval_sums,
     gather_metrics,
     lock_run_dir,
     memory_gb,
+    nvml_reader,
     process_age_s,
     profiled,
     quiet_libraries,
+    read_metrics_file,
+    run_summary,
+    summary_table,
 )
 from parallel import comm
 from parallel.distributed import comm_device, env_world, exit_process, init_distributed, reducer, shutdown
@@ -138,7 +145,8 @@ class PPOTrainer:
         for role in (self.actor, self.critic, self.reference, self.reward):
             if role is not None and getattr(role, "model", None) is not None:
                 self.comm_timer.watch_fsdp(role.model)
-        self.usage_warnings = comm.UsageWarnings(cfg.comm)
+        self.health = HealthWarnings(cfg.health)  # over the merged metrics, on rank 0
+        self.gpu = GpuSampler(nvml_reader(device), cfg.health.gpu_sample_s)
         self.logger = None
         self.run_dir = run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
         # one live run per folder: a second would resume the first's checkpoints and cut its metrics
@@ -371,6 +379,7 @@ class PPOTrainer:
         self.clock = (start, time.perf_counter())  # for the ETA of the console line
         for step in range(start + 1, self.total_steps + 1):
             began = time.perf_counter()
+            self.gpu.pop()  # what the eval or the save used belongs to no step
             with profiled(step == cfg.run.profile_step, self.run_dir, f"step{step}_rank{self.rank}"):
                 local = self.step(step)
             local["timing_s/step"] = time.perf_counter() - began
@@ -378,12 +387,15 @@ class PPOTrainer:
                 local["timing_s/startup"] = process_age_s() - (time.perf_counter() - began)
             local["perf/max_memory_allocated_gb"] = memory_gb(self.device)
             local.update(self.comm_timer.pop(local["timing_s/step"]))
-            self.usage_warnings.check(local["perf/comm_fraction"], comm.device_memory_fraction(self.device))
+            local.update(self.gpu.pop())
+            if comm.device_memory_fraction(self.device) is not None:
+                local["perf/memory_fraction"] = comm.device_memory_fraction(self.device)
             merged = gather_metrics(local)
             if self.rank == 0:
                 merged["perf/throughput"] = merged.pop("perf/total_tokens", 0.0) / merged["timing_s/step"] / \
                     self.layout.world_size
                 merged["data/epoch"] = self.sampler.state_dict().get("epoch", 0)
+                merged.update(self.health.check(merged))
             if step == self.total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
                 last = self._eval_and_log(step, merged)
             elif self.rank == 0:
@@ -403,10 +415,20 @@ class PPOTrainer:
                 break
         if bar is not None:
             bar.close()
+        if self.rank == 0:
+            self._write_summary()
         self.close()
         return {"before": before, "after": last.get("eval/score/mean", float("nan"))}
 
+    def _write_summary(self) -> None:
+        """runs/NAME/summary.json and its table on the console: the whole run's report, from metrics.jsonl."""
+        summary = run_summary(read_metrics_file(self.run_dir))
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(summary_table(summary), flush=True)
+
     def close(self) -> None:
+        self.gpu.close()
         for role in self._trainers().values():
             role.replicas.flush()
         if self.reward is not None:
@@ -587,6 +609,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_libraries()
     rank, world, _ = env_world()
+    if "--plan" in argv:  # the memory and placement planner: a dry run, no process group, no weights (plan.py)
+        import plan
+
+        return plan.main(argv, world, rank)
     cfg = C.parse_or_exit(argv, world, rank)
     run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
     comm.apply_comm_env(cfg.comm, run_dir, rank)

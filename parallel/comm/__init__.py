@@ -27,12 +27,12 @@ from parallel.comm.nccl_env import (
 )
 from parallel.comm.param_averaging import ReplicaAverager
 from parallel.comm.stale_allreduce import StaleAllReduce
-from parallel.comm.usage import CommTimer, UsageWarnings, device_memory_fraction
+from parallel.comm.usage import CommTimer, device_memory_fraction
 from parallel.comm.wire import allreduce_bytes
 
 __all__ = [
     "CPU_MAX_BYTES", "DEFAULT_SIZES", "FALLBACK_MARKER", "NAMED_ENV", "CommTimer", "GradCompression", "ReplicaAverager",
-    "StaleAllReduce", "UsageWarnings", "allreduce_bandwidth", "allreduce_bytes", "allreduce_replicas", "apply_comm_env",
+    "StaleAllReduce", "allreduce_bandwidth", "allreduce_bytes", "allreduce_replicas", "apply_comm_env",
     "bandwidth_check", "busbw_gbps", "comm_env", "compression_hook", "device_memory_fraction", "init_with_fallback",
     "parse_env_entries", "register_compression", "set_grad_sync", "sync_now", "write_fallback_marker",
 ]

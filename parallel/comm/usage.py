@@ -1,17 +1,14 @@
-"""What a step spends on communication and memory: seconds in collectives (CommTimer, perf/comm_fraction), peak
-device memory, and the warnings when either passes its threshold (comm.comm_fraction_warn, comm.memory_fraction_warn).
+"""What a step spends on communication and memory: seconds in collectives (CommTimer, perf/comm_fraction) and peak
+device memory (perf/memory_fraction); monitor.HealthWarnings warns when either passes its health threshold.
 """
 
 import contextlib
-import logging
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-
-log = logging.getLogger("meshrl.comm")
 
 
 class CommTimer:
@@ -115,32 +112,3 @@ def device_memory_fraction(device: torch.device) -> float | None:
         return None
     total = torch.cuda.get_device_properties(device).total_memory
     return torch.cuda.max_memory_reserved(device) / total
-
-
-class UsageWarnings:
-    """Warn when perf/comm_fraction passes comm.comm_fraction_warn or peak device memory passes
-    comm.memory_fraction_warn; each warns once, and again only after it has gone back under its threshold."""
-
-    def __init__(self, comm_cfg):
-        self.limits = {"comm": comm_cfg.comm_fraction_warn, "memory": comm_cfg.memory_fraction_warn}
-        self.active: set[str] = set()
-
-    def check(self, comm_fraction: float | None, memory_fraction: float | None) -> list[str]:
-        """Returns (and logs) the new warnings of this step."""
-        out = []
-        for kind, value in (("comm", comm_fraction), ("memory", memory_fraction)):
-            if value is None:
-                continue
-            limit = self.limits[kind]
-            if value > limit and kind not in self.active:
-                self.active.add(kind)
-                what = ("time in collectives is {:.0%} of the step (comm.comm_fraction_warn={:g}): consider "
-                        "comm.grad_sync_every, comm.compression or a larger micro_batch_tokens"
-                        if kind == "comm" else
-                        "peak device memory is {:.0%} of the device (comm.memory_fraction_warn={:g}): consider "
-                        "fsdp.cpu_offload, activation_checkpointing or a smaller micro_batch_tokens")
-                out.append(what.format(value, limit))
-                log.warning("comm: %s", out[-1])
-            elif value <= limit:
-                self.active.discard(kind)
-        return out
