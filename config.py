@@ -51,6 +51,7 @@ class RunConfig:
     wandb_project: str = "meshrl"
     wandb_entity: str | None = None  # the W&B team or user; default: your W&B default
     profile_step: int | None = None  # torch.profiler over this step: profile_step<N>_rank<R>.{txt,json} in the run dir
+    save_rollouts: bool = False  # each step's samples to runs/NAME/rollouts/step_N.parquet (for data.rollouts_path)
 
 
 @dataclass
@@ -118,6 +119,9 @@ class DataConfig:
     shuffle: bool = True
     chat_template: bool | None = None  # null: template chat-message prompts only; true: text prompts too; false: never
     system_prompt: str | None = None  # a system message first in every templated prompt that has none
+    # offline: train on logged rollouts (files, or a folder such as runs/NAME/rollouts) instead of generating;
+    # rows of prompt (or prompt_ids), response (or response_ids), score, optional logprobs and group (tasks/offline.py)
+    rollouts_path: str | list[str] | None = None
 
 
 @dataclass
@@ -386,8 +390,8 @@ class CheckpointConfig:
 # checkpoint.allow_config_change lists them; every other change is logged.
 RESUME_PROTECTED = (
     "model.path", "model.tokenizer_path", "actor.model_path", "critic.model_path", "reference.model_path",
-    "reward.model_path", "data.train_path", "data.prompt_key", "data.batch_size", "data.shuffle", "rollout.n",
-    "algorithm.adv_estimator", "quickstart.hidden_size", "quickstart.num_layers",
+    "reward.model_path", "data.train_path", "data.rollouts_path", "data.prompt_key", "data.batch_size", "data.shuffle",
+    "rollout.n", "algorithm.adv_estimator", "quickstart.hidden_size", "quickstart.num_layers",
 )
 
 
@@ -655,9 +659,14 @@ def check_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be a multiple of the actor pool's "
                           f"data-parallel size {dp} (each dp rank generates for an equal share)")
     if not cfg.quickstart.enabled:
-        for key, path in (("data.train_path", cfg.data.train_path), ("model.path", cfg.model.path)):
+        offline = eval_paths(cfg.data.rollouts_path)  # the same one-or-a-list form as eval_path
+        train = [] if offline else [("data.train_path", cfg.data.train_path)]
+        for key, path in (*train, ("model.path", cfg.model.path)):
             if not path or not os.path.exists(path):
                 raise ConfigError(f"{key}={path!r}: not found")
+        for i, path in enumerate(offline):
+            if not os.path.exists(path):
+                raise ConfigError(f"data.rollouts_path{f'[{i}]' if len(offline) > 1 else ''}={path!r}: not found")
         paths = eval_paths(cfg.data.eval_path)
         for i, path in enumerate(paths):
             if not os.path.exists(path):

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import checkpoint
 import config as C
@@ -58,6 +58,7 @@ from roles.reward import Reward, decode_responses
 from rollout.api import stop_token_ids
 from rollout.native import RolloutOutput, SamplingParams
 from tasks.data import PromptDataset, PromptSampler, load_eval_records, load_prompt_records
+from tasks.offline import OfflineRollouts, load_offline_groups, rollout_files, write_rollouts
 
 log = logging.getLogger("meshrl")
 
@@ -100,10 +101,26 @@ class PPOTrainer:
         path = cfg.actor.model_path or cfg.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path,
                                                        trust_remote_code=cfg.model.trust_remote_code)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
-                                                           cfg.data.ground_truth_key), self.tokenizer,
-                                       cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
+        self.pad = pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
+            self.tokenizer.eos_token_id
+        if cfg.data.rollouts_path:  # offline: logged responses and scores, no generation in the train steps
+            files = rollout_files(cfg.data.rollouts_path)
+            vocab = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).vocab_size
+            self.train_set = load_offline_groups(
+                files, self.tokenizer, group_size=cfg.rollout.n, vocab_size=vocab,
+                max_prompt_len=cfg.data.max_prompt_len, max_response_len=cfg.rollout.max_new_tokens,
+                prompt_key=cfg.data.prompt_key, ground_truth_key=cfg.data.ground_truth_key,
+                chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
+            if layout.rank == 0:
+                log.info("offline training on %d logged prompts x %d responses from %d file(s); the PPO ratio is "
+                         "against %s", len(self.train_set), cfg.rollout.n, len(files),
+                         "the logged behaviour log-probs" if self.train_set.has_logprobs else
+                         "the current policy's log-probs before each update (the files have no logprobs)")
+        else:
+            self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
+                                                               cfg.data.ground_truth_key), self.tokenizer,
+                                           cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
+        self.offline = isinstance(self.train_set, OfflineRollouts)
         self.eval_set = None
         if C.eval_paths(cfg.data.eval_path):
             self.eval_set = PromptDataset(load_eval_records(C.eval_paths(cfg.data.eval_path), cfg.data.prompt_key,
@@ -172,7 +189,8 @@ class PPOTrainer:
         every rank raises ValueError (exit 2) when one failed, the rank that saw it with the traceback."""
         problem = None
         if self.reward is not None:
-            samples = [("the first train record", self.train_set.items[0])]
+            # offline, the reward functions score only the eval responses
+            samples = [] if self.offline else [("the first train record", self.train_set.items[0])]
             if self.eval_set is not None:
                 samples.append(("the first eval record", self.eval_set.items[0]))
             problem = self.reward.check_functions(samples)
@@ -200,10 +218,12 @@ class PPOTrainer:
         # 1. rollout on the actor pool, each dp rank its share of the prompts
         batch, rows = None, None
         if self.actor is not None:
-            with t("gen"):
-                batch = self._generate(self.train_set, indices, self.train_params)
+            with t("replay" if self.offline else "gen"):
+                batch = self._replay(indices) if self.offline else \
+                    self._generate(self.train_set, indices, self.train_params)
             rows = batch["input_ids"].shape[0]
-            times["timing_s/reshard"] = self.actor.engine.stats.get("reshard_s", 0.0)
+            if not self.offline:
+                times["timing_s/reshard"] = self.actor.engine.stats.get("reshard_s", 0.0)
             if "memory_gb" in self.actor.engine.stats:
                 metrics["rollout/vllm_memory_gb"] = self.actor.engine.stats["memory_gb"]
             tokens = (batch["prompt_len"] + batch["response_len"]).sum()
@@ -213,7 +233,8 @@ class PPOTrainer:
         with t("transfer"), self.comm_timer.span():
             to_ref = transfer(batch, P["actor"], P["reference"], self.layout, self.device) if self.use_ref else None
             to_critic = transfer(batch, P["actor"], P["critic"], self.layout, self.device) if self.use_critic else None
-            to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
+            to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device) if not self.offline \
+                else None
 
         # 3. reference log-probs, values, scores, old log-probs (at the same time where the pools are split)
         ref, values, scores = {}, {}, {}
@@ -223,7 +244,7 @@ class PPOTrainer:
         if self.critic is not None:
             with t("values"):
                 values = {"values": self.critic.values(to_critic)}
-        if self.reward is not None:
+        if self.reward is not None and not self.offline:
             with t("reward"):
                 s, reward_metrics, _ = self.reward.scores(to_reward, self.train_set.items)
                 scores = {"scores": s}
@@ -238,19 +259,27 @@ class PPOTrainer:
                                "which); stopping before the update. The last checkpoint is intact.")
         if self.actor is not None:
             with t("old_logprobs"):
-                batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
+                if self.offline and self.train_set.has_logprobs:  # the ratio against the behaviour policy
+                    batch["old_logprobs"] = batch["rollout_logprobs"]
+                else:
+                    batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
+                    if self.offline:
+                        batch["rollout_logprobs"] = batch["old_logprobs"]
             # the engine's and the trainer's log-probs of the same tokens: ~0 in float32, larger in bf16
             gap = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * batch["response_mask"]
             metrics["rollout/logprob_diff_max"] = float(self.dp_reduce(gap.max() if gap.numel() else
                                                                        gap.new_zeros(()), "max"))
         with t("transfer"), self.comm_timer.span():
             for got, role, on in ((ref, "reference", self.use_ref), (values, "critic", self.use_critic),
-                                  (scores, "reward", True)):
+                                  (scores, "reward", not self.offline)):
                 if on:
                     back = transfer(got, P[role], P["actor"], self.layout, self.device, want=rows)
                     if batch is not None:
                         width = batch["response_mask"].shape[1]
                         batch.update({k: fit_width(v, width) if v.dim() == 2 else v for k, v in back.items()})
+
+        if cfg.run.save_rollouts and self.actor is not None:
+            self._save_rollouts(step, batch)
 
         # 4. on the actor pool: filters, KL, advantages, resampling, replay (algo/pipeline.py has the order)
         if self.actor is not None:
@@ -282,6 +311,52 @@ class PPOTrainer:
         prompts = [dataset[i]["prompt_ids"] for i in mine]
         out = self.actor.generate(prompts, params, self.gen_rng)
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
+
+    def _replay(self, indices: list[int]) -> Batch:
+        """Offline: this dp rank's share of the logged groups in the layout of a generated batch, with their scores
+        and behaviour log-probs (zeros without them: the caller puts the current policy's there)."""
+        pool = self.pools["actor"]
+        mine = indices[pool.dp_rank :: pool.dp_size]
+        groups = [self.train_set[i] for i in mine]
+        responses = [r for g in groups for r in g["responses"]]
+        width = max((len(r) for r in responses), default=1)
+        ids = torch.full((len(responses), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(responses), width), dtype=torch.long)
+        logprobs = torch.zeros((len(responses), width), dtype=torch.float32)
+        logged = [lp for g in groups for lp in (g["logprobs"] or [None] * len(g["responses"]))]
+        for i, (response, lp) in enumerate(zip(responses, logged)):
+            ids[i, : len(response)] = torch.tensor(response)
+            mask[i, : len(response)] = 1
+            if lp is not None:
+                logprobs[i, : len(response)] = torch.tensor(lp, dtype=torch.float32)
+        n = self.cfg.rollout.n
+        out = RolloutOutput([g["prompt_ids"] for g in groups for _ in range(n)], ids, mask, logprobs)
+        batch = rollout_batch(out, [i for i in mine for _ in range(n)], self.device)
+        batch["scores"] = torch.tensor([s for g in groups for s in g["scores"]], dtype=torch.float32,
+                                       device=self.device)
+        return batch
+
+    def _save_rollouts(self, step: int, batch: Batch) -> None:
+        """runs/NAME/rollouts/step_N.parquet: every sample of the step (before filters), gathered over the actor's dp
+        ranks and written by its first rank; data.rollouts_path reads it back."""
+        pool = self.pools["actor"]
+        texts = decode_responses(self.tokenizer, batch)
+        rows = []
+        for i, text in enumerate(texts):
+            index, p_len, r_len = (int(batch[k][i]) for k in ("prompt_index", "prompt_len", "response_len"))
+            item = self.train_set[index]
+            rows.append({
+                "step": step, "group": f"{step}:{index}", "prompt": item["prompt_text"],
+                "ground_truth": item.get("ground_truth"), "response": text,
+                "prompt_ids": batch["input_ids"][i, :p_len].tolist(),
+                "response_ids": batch["response_ids"][i, :r_len].tolist(), "score": float(batch["scores"][i]),
+                "logprobs": batch["rollout_logprobs"][i, :r_len].tolist(),
+            })
+        everyone: list = [None] * pool.dp_size
+        dist.all_gather_object(everyone, rows, group=pool.dp_group)
+        if pool.dp_rank == 0 and pool.tp_rank == 0:
+            write_rollouts(os.path.join(self.run_dir, "rollouts", f"step_{step}.parquet"),
+                           [row for part in everyone for row in part])
 
     def _min_reward(self) -> float | None:
         base = self.cfg.algorithm.filters.min_reward
