@@ -6,13 +6,11 @@ Saves an HF folder (config, safetensors, tokenizer) at sft.output_dir that a PPO
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import config as C
 from monitor import quiet_libraries
@@ -20,19 +18,8 @@ from parallel.distributed import env_world, exit_process, init_distributed, shut
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from roles.modeling import load_causal_lm
-from roles.sft import encode_pairs, sft_train
+from roles.sft import encode_pairs, save_hf, sft_train
 from tasks.data import load_sft_records
-
-
-def save_hf(model, tokenizer, output_dir: str, rank: int) -> None:
-    """Gather the full (unsharded) weights to rank 0 and write an HF folder there."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        os.makedirs(output_dir, exist_ok=True)
-        fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-        fresh.load_state_dict(state)
-        fresh.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
 
 
 def main(argv: list[str]) -> int:

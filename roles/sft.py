@@ -1,9 +1,14 @@
 """Supervised fine-tuning of a causal LM on prompt/response pairs (cross-entropy on the response tokens): the loop
-train_sft.py runs on its pool and the quickstart runs for its warm start."""
+train_sft.py runs on its pool and the quickstart runs for its warm start; and the HF export of a trained sharded
+model that train_sft.py and train_rm.py share."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM
 
 from parallel.layout import Pool
 from roles.modeling import grad_norm_and_clip
@@ -57,3 +62,16 @@ def sft_train(model, pairs, steps: int, lr: float, batch_size: int, seed: int, d
         if log_every and (step % log_every == 0 or step == steps - 1) and dp_rank == 0:
             print(f"sft step {step}/{steps} loss {loss.item():.4f}", flush=True)
     return losses
+
+
+def save_hf(model, tokenizer, output_dir: str, rank: int, auto_class=AutoModelForCausalLM) -> None:
+    """Gather the full (unsharded) weights to rank 0 and write an HF folder there: a fresh `auto_class` model of the
+    same config (the FSDP-wrapped class would name itself in the config's architectures), the weights, the tokenizer.
+    Every rank calls (the gather is a collective)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        fresh = auto_class.from_config(model.config, dtype=torch.float32)
+        fresh.load_state_dict(state)
+        fresh.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)

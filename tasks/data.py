@@ -7,6 +7,7 @@ Column keys may be dotted (`reward_model.ground_truth`) to reach into nested rec
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -143,6 +144,40 @@ def load_sft_records(path: str | Path, prompt_key: str = "prompt", response_key:
         prompt = _check_prompt(_required(row, prompt_key, where, "prompt"), where)
         response = _as_text(_required(row, response_key, where, "response"), response_key, where)
         records.append({"prompt": prompt, "response": response})
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+def _check_response(value: object, key: str, where: str) -> str:
+    """A response as text (a number too), or as chat messages: one assistant message, whose content is the text."""
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        messages = _check_prompt(value, where)
+        if len(messages) != 1 or messages[0]["role"] != "assistant":
+            raise ValueError(f"{where}: column {key!r} holds messages with roles {[m['role'] for m in messages]}; a "
+                             "response given as chat messages is one assistant message (the prompt column holds the "
+                             "conversation before it)")
+        return messages[0]["content"]
+    return _as_text(value, key, where)
+
+
+def load_preference_records(path: str | Path, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                            rejected_key: str = "rejected", margin_key: str = "margin") -> list[dict]:
+    """Preference pairs `{"prompt": str | list[dict], "chosen": str, "rejected": str, "margin": float}` from the same
+    formats as prompts. A response is text or one assistant message; the margin (the score gap the chosen response
+    should win by) is 0 where the column is absent or null."""
+    records = []
+    for where, row in _read_rows(path):
+        prompt = _check_prompt(_required(row, prompt_key, where, "prompt"), where)
+        chosen = _check_response(_required(row, chosen_key, where, "chosen"), chosen_key, where)
+        rejected = _check_response(_required(row, rejected_key, where, "rejected"), rejected_key, where)
+        margin, _ = _lookup(row, margin_key)
+        if margin is None:
+            margin = 0.0
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise ValueError(f"{where}: column {margin_key!r} must be a finite number, got {type(margin).__name__} "
+                             f"{margin!r:.200}")
+        records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": float(margin)})
     if not records:
         raise ValueError(f"{path} holds no records")
     return records

@@ -1,0 +1,108 @@
+"""Reward-model training on preference pairs (Bradley-Terry loss), with the same FSDP2 path as PPO.
+
+    python train_rm.py --config configs/rm_quickstart.yaml            # or under torchrun
+Saves an HF sequence-classification folder (config, safetensors, tokenizer) at rm.output_dir that a PPO config's
+reward.model_path can name; metrics go to runs/NAME/metrics.jsonl (and TensorBoard) as PPO's do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import yaml
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import config as C
+from monitor import MetricsLogger, quiet_libraries
+from parallel.distributed import env_world, exit_process, init_distributed, shutdown
+from parallel.fsdp import shard_model
+from parallel.layout import build_layout
+from roles.rm import encode_preferences, hold_out, load_reward_model, train_reward_model
+from roles.sft import save_hf
+from tasks.data import load_preference_records
+
+CONSOLE_KEYS = ("rm/loss", "rm/accuracy", "eval/accuracy", "eval/margin/mean", "eval/loss")
+
+
+def load_pairs(cfg: C.Config, tokenizer) -> tuple[list, list, int]:
+    """(train pairs, held-out pairs, pairs dropped as longer than rm.max_len); ValueError for bad data."""
+    rm = cfg.rm
+    keys = (rm.prompt_key, rm.chosen_key, rm.rejected_key, rm.margin_key)
+    records = load_preference_records(rm.train_path, *keys)
+    if rm.eval_path is not None:
+        train, held_out = records, load_preference_records(rm.eval_path, *keys)
+    else:
+        train, held_out = hold_out(records, rm.eval_fraction, cfg.run.seed)
+    train_pairs, dropped = encode_preferences(train, tokenizer, rm.max_len)
+    eval_pairs, dropped_eval = encode_preferences(held_out, tokenizer, rm.max_len)
+    where = f"{rm.train_path}" + (f" ({len(held_out)} of its pairs held out)" if rm.eval_path is None else "")
+    if len(train_pairs) < rm.batch_size:
+        raise ValueError(f"{where}: {len(train_pairs)} training pairs (after dropping {dropped} with a side longer "
+                         f"than rm.max_len={rm.max_len} tokens) cannot fill one batch of rm.batch_size="
+                         f"{rm.batch_size}")
+    if held_out and not eval_pairs:
+        raise ValueError(f"{rm.eval_path or where}: every held-out pair has a side longer than rm.max_len="
+                         f"{rm.max_len} tokens")
+    return train_pairs, eval_pairs, dropped + dropped_eval
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    quiet_libraries()
+    rank, world, _ = env_world()
+    cfg = C.parse_or_exit(argv, world, rank, check=C.check_rm)
+    info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s, cfg.run.device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
+        train, held_out, dropped = load_pairs(cfg, tokenizer)
+    except (ValueError, OSError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        shutdown()
+        return 2
+    layout = build_layout([C.PoolConfig("all", world, ["reward"], cfg.placement.tp, cfg.placement.dp_replicate)],
+                          info.device.type)
+    pool = layout.pools[0]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(cfg.run.seed)  # the fresh score head: the same on every rank before sharding
+    model = shard_model(load_reward_model(cfg.model.path, pad, cfg.model.trust_remote_code).to(info.device), pool,
+                        cfg.rm.fsdp)
+
+    logger = None
+    if rank == 0:
+        run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
+        logger = MetricsLogger(run_dir, cfg.run.tensorboard)
+        logger.truncate_after(-1)  # no resume: this run's metrics replace those of an earlier run of the same name
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(C.to_dict(cfg), f, sort_keys=False)
+        print(f"rm: {len(train)} training pairs, {len(held_out)} held out, {dropped} dropped as longer than "
+              f"rm.max_len={cfg.rm.max_len}; metrics in {run_dir}/metrics.jsonl", flush=True)
+
+    def emit(step: int, metrics: dict) -> None:
+        if logger is None:
+            return
+        logger.log(step, metrics)
+        if step % cfg.run.log_every == 0 or step == cfg.rm.steps or "eval/accuracy" in metrics:
+            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            print(f"rm step {step}/{cfg.rm.steps} {shown}", flush=True)
+
+    last = train_reward_model(model, train, held_out, cfg.rm, cfg.run.seed, info.device, pool, emit)
+    save_hf(model, tokenizer, cfg.rm.output_dir, rank, AutoModelForSequenceClassification)
+    dist.barrier()
+    if logger is not None:
+        logger.close()
+        if last:
+            print(f"held-out accuracy {last['eval/accuracy']:.3f} (mean margin {last['eval/margin/mean']:.3f}) on "
+                  f"{int(last['eval/pairs'])} pairs", flush=True)
+        print(f"saved {cfg.rm.output_dir}", flush=True)
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_process(main(sys.argv[1:]))
