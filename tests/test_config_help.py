@@ -36,7 +36,7 @@ def source_field(cls, name):
     return m.groups()
 
 
-@pytest.mark.parametrize("script", ["train_ppo.py", "train_sft.py"])
+@pytest.mark.parametrize("script", ["train_ppo.py", "train_sft.py", "train_rm.py"])
 def test_help_lists_every_key_with_type_default_and_comment(script):
     proc = run_python([script, "--help"])
     assert proc.returncode == 0, explain(proc)
