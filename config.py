@@ -617,8 +617,10 @@ def check_world(cfg: Config, world_size: int, needed_roles=ROLES) -> None:
         raise ConfigError(f"placement: no pool hosts the role(s) {', '.join(missing)}; add them to a pool's roles")
 
 
-def check_ppo(cfg: Config, world_size: int) -> None:
-    """Everything train_ppo.py needs to be true before it starts."""
+def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
+    """Everything train_ppo.py needs to be true before it starts. this_machine=False leaves out what is about the
+    machine rather than the config (the data and model files exist, vLLM and wandb are installed): the planner's
+    view of a cluster's config on a laptop."""
     check_world(cfg, world_size, required_roles(cfg))
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
@@ -639,7 +641,7 @@ def check_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"algorithm.filters.dynamic_sampling=true with rollout.n={cfg.rollout.n}: it drops groups "
                           "whose samples all score the same, i.e. every group of one; set rollout.n >= 2")
     if cfg.rollout.engine == "vllm":
-        check_vllm(cfg, world_size)
+        check_vllm(cfg, world_size, this_machine)
     buffer = cfg.algorithm.filters.overlong_buffer
     if buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.filters.overlong_buffer={buffer}: must be <= rollout.max_new_tokens="
@@ -648,7 +650,7 @@ def check_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError("algorithm.kl.in_reward and algorithm.kl.in_loss are both true; choose one")
     if cfg.reward.model_path is None and not cfg.reward.functions:
         raise ConfigError("reward: set reward.model_path or reward.functions (e.g. [{spec: gsm8k}])")
-    if cfg.run.wandb:
+    if cfg.run.wandb and this_machine:
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
@@ -658,7 +660,7 @@ def check_ppo(cfg: Config, world_size: int) -> None:
     if cfg.data.batch_size % dp:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be a multiple of the actor pool's "
                           f"data-parallel size {dp} (each dp rank generates for an equal share)")
-    if not cfg.quickstart.enabled:
+    if not cfg.quickstart.enabled and this_machine:
         offline = eval_paths(cfg.data.rollouts_path)  # the same one-or-a-list form as eval_path
         train = [] if offline else [("data.train_path", cfg.data.train_path)]
         for key, path in (*train, ("model.path", cfg.model.path)):
@@ -678,7 +680,7 @@ def eval_paths(eval_path: str | list[str] | None) -> list[str]:
     return [] if eval_path is None else [eval_path] if isinstance(eval_path, str) else list(eval_path)
 
 
-def check_vllm(cfg: Config, world_size: int) -> None:
+def check_vllm(cfg: Config, world_size: int, this_machine: bool = True) -> None:
     """rollout.engine=vllm: colocated roles, vllm_tp dividing the world, a GPU, vLLM importable."""
     import importlib.util
 
@@ -693,7 +695,7 @@ def check_vllm(cfg: Config, world_size: int) -> None:
                           f"one vLLM engine); valid: {valid}")
     if cfg.run.device == "cpu":
         raise ConfigError("rollout.engine=vllm runs on GPUs; run.device=cpu needs rollout.engine=native")
-    if importlib.util.find_spec("vllm") is None:
+    if this_machine and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm: vLLM is not installed in this environment; pip install -r "
                           "requirements-vllm.txt (vllm==0.24.0 with torch==2.11.0), or use rollout.engine=native")
 

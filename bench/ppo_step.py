@@ -148,6 +148,11 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
         out[phase] = [r.get(f"timing_s/{phase}", 0.0) for r in rows]
     out["start_s"] = rows[0].get("timing_s/startup") if rows else None
     out["memory_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
+    # NVML, sampled during the steps (absent without pynvml): the whole device, NCCL and the engine's cache included
+    util = [r["perf/gpu_util"] for r in rows[1:] if r.get("perf/gpu_util") is not None]
+    out["gpu_util"] = statistics.mean(util) if util else None
+    out["gpu_memory_used_gb"] = max((r.get("perf/gpu_memory_used_gb") or 0.0 for r in rows), default=None)
+    out["run_dir"] = str(workdir / "runs" / run_name)
     return out
 
 
