@@ -185,7 +185,7 @@ class GpuSampler:
         if not samples:
             return {}
         return {"perf/gpu_util": sum(u for u, _ in samples) / len(samples),
-                "perf/gpu_memory_used_gb": max(m for _, m in samples) / 1e9}
+                "perf/gpu_memory_used_gb": max(m for _, m in samples) / 2**30}  # GiB, as perf/max_memory_allocated_gb
 
     def close(self) -> None:
         self.stopped.set()

@@ -155,7 +155,7 @@ def test_gpu_sampler_exact_aggregates_over_known_readings():
     seen = list(read.returned)
     out = sampler.pop()
     assert out["perf/gpu_util"] == pytest.approx(sum(u for u, _ in seen) / len(seen))
-    assert out["perf/gpu_memory_used_gb"] == pytest.approx(max(m for _, m in seen) / 1e9)
+    assert out["perf/gpu_memory_used_gb"] == pytest.approx(max(m for _, m in seen) / 2**30)
 
 
 def test_health_warnings_once_per_crossing_and_as_metrics(caplog):
