@@ -661,7 +661,7 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be a multiple of the actor pool's "
                           f"data-parallel size {dp} (each dp rank generates for an equal share)")
     if not cfg.quickstart.enabled and this_machine:
-        offline = eval_paths(cfg.data.rollouts_path)  # the same one-or-a-list form as eval_path
+        offline = path_list(cfg.data.rollouts_path)
         train = [] if offline else [("data.train_path", cfg.data.train_path)]
         for key, path in (*train, ("model.path", cfg.model.path)):
             if not path or not os.path.exists(path):
@@ -669,15 +669,15 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
         for i, path in enumerate(offline):
             if not os.path.exists(path):
                 raise ConfigError(f"data.rollouts_path{f'[{i}]' if len(offline) > 1 else ''}={path!r}: not found")
-        paths = eval_paths(cfg.data.eval_path)
+        paths = path_list(cfg.data.eval_path)
         for i, path in enumerate(paths):
             if not os.path.exists(path):
                 raise ConfigError(f"data.eval_path{f'[{i}]' if len(paths) > 1 else ''}={path!r}: not found")
 
 
-def eval_paths(eval_path: str | list[str] | None) -> list[str]:
-    """data.eval_path as a list: none, one file or several."""
-    return [] if eval_path is None else [eval_path] if isinstance(eval_path, str) else list(eval_path)
+def path_list(path: str | list[str] | None) -> list[str]:
+    """A one-or-a-list path key (data.eval_path, data.rollouts_path) as a list: none, one path or several."""
+    return [] if path is None else [path] if isinstance(path, str) else list(path)
 
 
 def check_vllm(cfg: Config, world_size: int, this_machine: bool = True) -> None:

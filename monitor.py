@@ -138,10 +138,10 @@ def eval_metrics(shares: list[dict], n: int) -> dict[str, float]:
     return out
 
 
-# counters add up over ranks (each counted by one rank: tp peers do not repeat them); the device's fullness is the
-# fullest rank's; everything else is a mean, and the step's statistics are already global (the same on every rank)
+# counters add up over ranks (each counted by one rank: tp peers do not repeat them); memory is the fullest rank's;
+# everything else is a mean, and the step's statistics are already global (the same on every rank)
 SUMMED = ("reward_fn/errors", "reward_fn/timeouts")
-MAXED = ("perf/memory_fraction", "perf/gpu_memory_used_gb")
+MAXED = ("perf/memory_fraction", "perf/gpu_memory_used_gb", "perf/max_memory_allocated_gb")
 
 
 def memory_gb(device: torch.device) -> float:
@@ -247,9 +247,15 @@ class HealthWarnings:
 
 
 def read_metrics_file(run_dir: str) -> list[dict]:
-    """metrics.jsonl's lines (a non-finite value is null there)."""
+    """metrics.jsonl's complete lines (a non-finite value is null there; a line a kill cut short is left out)."""
+    rows = []
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
 
 
 def run_summary(rows: list[dict]) -> dict:
@@ -318,13 +324,10 @@ def summary_table(summary: dict) -> str:
 
 
 class MetricsLogger:
-    """`wandb`: the keyword arguments of WandbRun (project, entity, name, config), or None for no W&B."""
-
-    def __init__(self, run_dir: str, tensorboard: bool = True, prometheus_port: int | None = None,
-                 wandb: dict | None = None):
+    def __init__(self, run_dir: str, tensorboard: bool = True, prometheus_port: int | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.prometheus = PrometheusGauges(prometheus_port) if prometheus_port is not None else None
-        self.wandb = WandbRun(run_dir, **wandb) if wandb is not None else None
+        self.wandb: WandbRun | None = None  # open_wandb, once the run knows whether it resumes
         self.run_dir = run_dir
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.tb = None
@@ -346,6 +349,10 @@ class MetricsLogger:
             self.prometheus.set({"step": step, **metrics})
         if self.wandb is not None:
             self.wandb.log(step, clean)
+
+    def open_wandb(self, fresh: bool, **kwargs) -> None:
+        """Log to W&B too from here on (kwargs: WandbRun's project, entity, name, config)."""
+        self.wandb = WandbRun(self.run_dir, fresh=fresh, **kwargs)
 
     def truncate_after(self, step: int) -> None:
         """On resume from checkpoint `step`: forget what was logged after it (metrics.jsonl, eval_samples.jsonl),
@@ -417,15 +424,17 @@ class WandbRun:
     """run.wandb: the step metrics, the resolved config and the eval samples (a table per eval) in Weights & Biases.
     WANDB_MODE=offline writes them under runs/NAME/wandb for a later `wandb sync`. One W&B run per meshrl run: its
     id is kept in runs/NAME/wandb_id and a resume goes on in it (W&B keeps the first value it got for a step, so the
-    steps between a checkpoint and a crash show the lost attempt's values there; metrics.jsonl has the resumed ones)."""
+    steps between a checkpoint and a crash show the lost attempt's values there; metrics.jsonl has the resumed ones).
+    A fresh start (no checkpoint to resume) begins a new W&B run."""
 
-    def __init__(self, run_dir: str, project: str, name: str, config: dict, entity: str | None = None):
+    def __init__(self, run_dir: str, project: str, name: str, config: dict, entity: str | None = None,
+                 fresh: bool = True):
         import uuid
 
         import wandb  # optional: config.check_ppo refuses run.wandb=true without it
 
         id_file = os.path.join(run_dir, "wandb_id")
-        if os.path.exists(id_file):
+        if os.path.exists(id_file) and not fresh:
             with open(id_file) as f:
                 run_id = f.read().strip()
         else:

@@ -345,8 +345,10 @@ def sequences_per_rank(cfg: C.Config, dp: int) -> int:
     (data.eval_size=0, the whole eval set, counts as max_num_seqs)."""
     r = cfg.rollout
     seqs = _ceil_div(cfg.data.batch_size, dp) * r.n
-    if cfg.data.eval_path:
-        seqs = max(seqs, _ceil_div(cfg.data.eval_size, dp) * r.eval_n if cfg.data.eval_size else r.max_num_seqs)
+    files = len(C.path_list(cfg.data.eval_path))  # data.eval_size prompts from each eval file
+    if files:
+        seqs = max(seqs, _ceil_div(cfg.data.eval_size * files, dp) * r.eval_n if cfg.data.eval_size else
+                   r.max_num_seqs)
     return seqs
 
 

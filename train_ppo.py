@@ -104,13 +104,14 @@ class PPOTrainer:
         self.pad = pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
         if cfg.data.rollouts_path:  # offline: logged responses and scores, no generation in the train steps
-            files = rollout_files(cfg.data.rollouts_path)
+            files = rollout_files(C.path_list(cfg.data.rollouts_path))
             vocab = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).vocab_size
             self.train_set = load_offline_groups(
                 files, self.tokenizer, group_size=cfg.rollout.n, vocab_size=vocab,
                 max_prompt_len=cfg.data.max_prompt_len, max_response_len=cfg.rollout.max_new_tokens,
-                prompt_key=cfg.data.prompt_key, ground_truth_key=cfg.data.ground_truth_key,
-                chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
+                temperature=cfg.rollout.temperature, prompt_key=cfg.data.prompt_key,
+                ground_truth_key=cfg.data.ground_truth_key, chat_template=cfg.data.chat_template,
+                system_prompt=cfg.data.system_prompt)
             if layout.rank == 0:
                 log.info("offline training on %d logged prompts x %d responses from %d file(s); the PPO ratio is "
                          "against %s", len(self.train_set), cfg.rollout.n, len(files),
@@ -122,8 +123,8 @@ class PPOTrainer:
                                            cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
         self.offline = isinstance(self.train_set, OfflineRollouts)
         self.eval_set = None
-        if C.eval_paths(cfg.data.eval_path):
-            self.eval_set = PromptDataset(load_eval_records(C.eval_paths(cfg.data.eval_path), cfg.data.prompt_key,
+        if C.path_list(cfg.data.eval_path):
+            self.eval_set = PromptDataset(load_eval_records(C.path_list(cfg.data.eval_path), cfg.data.prompt_key,
                                                             cfg.data.ground_truth_key), self.tokenizer,
                                           cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, seed=cfg.run.seed,
@@ -178,9 +179,7 @@ class PPOTrainer:
         self.pending_save: checkpoint.PendingSave | None = None
         self.clock: tuple[int, float] | None = None  # (first step, its start time) of this process: the ETA
         if self.rank == 0:
-            wandb = dict(project=cfg.run.wandb_project, entity=cfg.run.wandb_entity, name=cfg.run.name,
-                         config=C.to_dict(cfg)) if cfg.run.wandb else None
-            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port, wandb)
+            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:  # the resolved config of this start
                 yaml.safe_dump(C.to_dict(cfg), f, sort_keys=False)
 
@@ -265,10 +264,10 @@ class PPOTrainer:
                     batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
                     if self.offline:
                         batch["rollout_logprobs"] = batch["old_logprobs"]
-            # the engine's and the trainer's log-probs of the same tokens: ~0 in float32, larger in bf16
-            gap = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * batch["response_mask"]
-            metrics["rollout/logprob_diff_max"] = float(self.dp_reduce(gap.max() if gap.numel() else
-                                                                       gap.new_zeros(()), "max"))
+            if not self.offline:  # the engine's and the trainer's log-probs of the same tokens: ~0 in float32
+                gap = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * batch["response_mask"]
+                metrics["rollout/logprob_diff_max"] = float(self.dp_reduce(gap.max() if gap.numel() else
+                                                                           gap.new_zeros(()), "max"))
         with t("transfer"), self.comm_timer.span():
             for got, role, on in ((ref, "reference", self.use_ref), (values, "critic", self.use_critic),
                                   (scores, "reward", not self.offline)):
@@ -346,11 +345,11 @@ class PPOTrainer:
             index, p_len, r_len = (int(batch[k][i]) for k in ("prompt_index", "prompt_len", "response_len"))
             item = self.train_set[index]
             rows.append({
-                "step": step, "group": f"{step}:{index}", "prompt": item["prompt_text"],
+                "step": step, "group": f"{self.cfg.run.name}:{step}:{index}", "prompt": item["prompt_text"],
                 "ground_truth": item.get("ground_truth"), "response": text,
                 "prompt_ids": batch["input_ids"][i, :p_len].tolist(),
                 "response_ids": batch["response_ids"][i, :r_len].tolist(), "score": float(batch["scores"][i]),
-                "logprobs": batch["rollout_logprobs"][i, :r_len].tolist(),
+                "logprobs": batch["rollout_logprobs"][i, :r_len].tolist(), "temperature": self.cfg.rollout.temperature,
             })
         everyone: list = [None] * pool.dp_size
         dist.all_gather_object(everyone, rows, group=pool.dp_group)
@@ -443,6 +442,9 @@ class PPOTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         start, before = self._resume()
+        if self.rank == 0 and cfg.run.wandb:  # after the resume check: a refused resume leaves W&B untouched
+            self.logger.open_wandb(fresh=start == 0, project=cfg.run.wandb_project, entity=cfg.run.wandb_entity,
+                                   name=cfg.run.name, config=C.to_dict(cfg))
         startup = comm.bandwidth_check(self.layout, self.device) if cfg.comm.bandwidth_check else {}
         if cfg.rollout.engine == "vllm":
             startup.update(self._check_engine())
@@ -463,8 +465,9 @@ class PPOTrainer:
             local["perf/max_memory_allocated_gb"] = memory_gb(self.device)
             local.update(self.comm_timer.pop(local["timing_s/step"]))
             local.update(self.gpu.pop())
-            if comm.device_memory_fraction(self.device) is not None:
-                local["perf/memory_fraction"] = comm.device_memory_fraction(self.device)
+            fullness = comm.device_memory_fraction(self.device)
+            if fullness is not None:
+                local["perf/memory_fraction"] = fullness
             merged = gather_metrics(local)
             if self.rank == 0:
                 merged["perf/throughput"] = merged.pop("perf/total_tokens", 0.0) / merged["timing_s/step"] / \
@@ -496,10 +499,15 @@ class PPOTrainer:
         return {"before": before, "after": last.get("eval/score/mean", float("nan"))}
 
     def _write_summary(self) -> None:
-        """runs/NAME/summary.json and its table on the console: the whole run's report, from metrics.jsonl."""
-        summary = run_summary(read_metrics_file(self.run_dir))
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        """runs/NAME/summary.json and its table on the console: the whole run's report, from metrics.jsonl (the run
+        has finished: a report that cannot be written is a warning, not a failure)."""
+        try:
+            summary = run_summary(read_metrics_file(self.run_dir))
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("no run summary: %s", e)
+            return
         print(summary_table(summary), flush=True)
 
     def close(self) -> None:
@@ -580,9 +588,17 @@ class PPOTrainer:
         began = time.perf_counter()
         found = checkpoint.resume(self.ckpt_root, self.cfg.checkpoint.resume, self._trained_roles())
         if found is None:
+            if self.rank == 0:  # what an attempt that never saved logged is not part of this run
+                self.logger.truncate_after(-1)
             return 0, float("nan")
         path, state, mine = found
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:  # the same on every rank: the data, not the checkpoint, changed
+            key = "data.rollouts_path" if self.offline else "data.train_path"
+            raise C.ConfigError(f"resuming {path}: the training data is not what the checkpoint saw ({e}); {key} "
+                                f"now holds {len(self.train_set)} prompts. Restore the data, or start a new run "
+                                "(another run.name)") from e
         roles = state["roles"]
         # checkpoints written before 2026-12-01 kept the controllers at the top level (from rank 0)
         self.kl_ctl.load_state_dict(roles["actor"].get("kl_ctl", state.get("kl_ctl")))

@@ -23,7 +23,8 @@ from tasks.data import PromptDataset, _check_prompt, _lookup, _read_rows, _requi
 logger = logging.getLogger(__name__)
 
 # what write_rollouts' rows hold besides the data's own columns
-ROLLOUT_COLUMNS = ("step", "group", "prompt", "prompt_ids", "response", "response_ids", "score", "logprobs")
+ROLLOUT_COLUMNS = ("step", "group", "prompt", "prompt_ids", "response", "response_ids", "score", "logprobs",
+                   "temperature")
 
 
 def write_rollouts(path: str, rows: list[dict]) -> None:
@@ -46,8 +47,8 @@ def _token_ids(value: object, key: str, where: str, vocab_size: int) -> list[int
 
 
 def _group_key(row: dict, prompt: object) -> str:
-    found = row.get("group")
-    return json.dumps(found if found is not None else prompt, sort_keys=True, default=str)
+    """Rows of one prompt, split further by a `group` value where the rows have one."""
+    return json.dumps([row.get("group"), prompt], sort_keys=True, default=str)
 
 
 class OfflineRollouts:
@@ -66,12 +67,14 @@ class OfflineRollouts:
 
 
 def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_size: int, max_prompt_len: int,
-                        max_response_len: int, prompt_key: str = "prompt", ground_truth_key: str = "ground_truth",
-                        chat_template: bool | None = None, system_prompt: str | None = None) -> OfflineRollouts:
+                        max_response_len: int, temperature: float = 1.0, prompt_key: str = "prompt",
+                        ground_truth_key: str = "ground_truth", chat_template: bool | None = None,
+                        system_prompt: str | None = None) -> OfflineRollouts:
     """The groups of logged responses in order of first appearance, each with `group_size` responses. Text
     responses are tokenised without special tokens and end with the tokenizer's eos (a finished response). Groups
     whose prompt is longer than `max_prompt_len` tokens are dropped and counted in the log, as online; every other
-    mistake raises ValueError naming the file and row."""
+    mistake raises ValueError naming the file and row, among them log-probs taken at another temperature than
+    `temperature` (rollout.temperature: the PPO ratio compares them with the policy's at it)."""
     eos = tokenizer.eos_token_id
     rows = []  # (where, row, prompt ids or None, prompt text or messages or None) in file order
     for path in paths:
@@ -122,9 +125,16 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
         logprobs = row.get("logprobs")
         if logprobs is not None:
             logprobs = logprobs.tolist() if hasattr(logprobs, "tolist") else logprobs
-            if not isinstance(logprobs, list) or len(logprobs) != len(response):
-                raise ValueError(f"{where}: logprobs must hold one number per response token ({len(response)}), "
-                                 f"got {logprobs!r:.100}")
+            if not isinstance(logprobs, list) or len(logprobs) != len(response) or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0
+                    for x in logprobs):
+                raise ValueError(f"{where}: logprobs must hold one finite log-probability (<= 0) per response token "
+                                 f"({len(response)}), got {logprobs!r:.100}")
+            logged_at = row.get("temperature")
+            if logged_at is not None and abs(float(logged_at) - temperature) > 1e-6:
+                raise ValueError(f"{where}: its logprobs were taken at temperature {logged_at}, this run samples at "
+                                 f"rollout.temperature={temperature}; set it to {logged_at}, or drop the logprobs "
+                                 "column to train against the current policy")
             with_logprobs += 1
         ground_truth, _ = _lookup(row, ground_truth_key)
         group = groups.setdefault(_group_key(row, ids if ids is not None else prompt), {
@@ -158,9 +168,9 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
     return OfflineRollouts(kept, has_logprobs, len(groups) - len(kept))
 
 
-def rollout_files(path: str | list[str]) -> list[str]:
-    """data.rollouts_path as files: a list, one file, or a folder's *.parquet / *.jsonl in step order."""
-    paths = [path] if isinstance(path, str) else list(path)
+def rollout_files(paths: list[str]) -> list[str]:
+    """data.rollouts_path's entries as files: a file as it is, a folder as its *.parquet / *.jsonl in step order
+    (step_2 before step_10); a datasets save_to_disk folder as one entry."""
     out = []
     for p in paths:
         if os.path.isdir(p) and not os.path.exists(os.path.join(p, "dataset_info.json")):

@@ -52,8 +52,8 @@ def test_key_and_type_errors_name_the_key(tmp_path, raw, overrides, needle):
 def test_eval_path_is_one_file_or_several(tmp_path):
     assert C.load_config(write(tmp_path, {"data": {"eval_path": "a.jsonl"}})).data.eval_path == "a.jsonl"
     both = C.load_config(write(tmp_path, {}), ["data.eval_path=[a.jsonl, b.parquet]"]).data.eval_path
-    assert both == ["a.jsonl", "b.parquet"] and C.eval_paths(both) == both and C.eval_paths("a") == ["a"]
-    assert C.eval_paths(None) == []
+    assert both == ["a.jsonl", "b.parquet"] and C.path_list(both) == both and C.path_list("a") == ["a"]
+    assert C.path_list(None) == []
     data = tmp_path / "train.jsonl"
     data.write_text("")
     cfg = C.load_config(write(tmp_path, {"data": {"train_path": str(data), "eval_path": [str(data), "nowhere.jsonl"]},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import socket
 import threading
 import time
@@ -112,6 +113,14 @@ def test_wandb_offline_gets_the_metrics_the_config_and_one_run_across_a_resume(t
                                                                                    for r in logged[1:]))
     assert summary["eval_before"] == logged[0]["eval/score/mean"] and summary["warnings"] == {}, summary
     assert "run summary: 3 steps" in proc.stdout, explain(proc)
+
+    # an attempt that never saved (its checkpoints gone): a fresh start drops what it logged and opens a new W&B run
+    shutil.rmtree(runs / "t" / "checkpoints")
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, **env)
+    assert proc.returncode == 0, explain(proc)
+    assert [row["step"] for row in read_metrics(runs)] == [0, 1, 2, 3], "every step once"
+    assert (runs / "t" / "wandb_id").read_text().strip() != run_id
+    assert json.loads((runs / "t" / "summary.json").read_text())["steps"] == 3
 
 
 class Readings:
