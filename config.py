@@ -794,7 +794,8 @@ def check_rm(cfg: Config, world_size: int) -> None:
 
 
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:
-    path = os.path.join(cfg.model.path, "config.json")
+    # model.path is an HF folder; the planner also takes a config.json file itself (configs/models/*.json)
+    path = cfg.model.path if cfg.model.path.endswith(".json") else os.path.join(cfg.model.path, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"model.path={cfg.model.path!r}: no config.json there (needed to check {where})")
     with open(path) as f:

@@ -66,9 +66,7 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 import yaml
@@ -230,13 +228,7 @@ def check_plan(cfg: C.Config, world_size: int) -> None:
     """config.check_ppo for this world size, less its rules about this machine: that the data and model files exist
     (a plan reads no data; role_models reads each model's config.json and names a missing one) and that vLLM or
     wandb is installed (a plan starts nothing; plan a cluster's config on a laptop)."""
-    checked = cfg
-    with tempfile.TemporaryDirectory() as folder:
-        if cfg.model.path.endswith(".json") and os.path.isfile(cfg.model.path):
-            # check_world reads <model.path>/config.json for tp's heads: a folder holding the named file
-            shutil.copy(cfg.model.path, os.path.join(folder, "config.json"))
-            checked = with_values(checked, [("model.path", folder)])
-        C.check_ppo(checked, world_size, this_machine=False)
+    C.check_ppo(cfg, world_size, this_machine=False)
     role_models(cfg)
 
 
