@@ -121,6 +121,7 @@ class VLLMEngine:
         next generate, so the sync's full tensors and the cache are never on the GPU together."""
         began = time.perf_counter()
         if not self.weights_awake:
+            torch.cuda.empty_cache()  # see wake()
             self.llm.wake_up(tags=["weights"])
             self.weights_awake = True
         target = self._vllm_model()
@@ -136,6 +137,11 @@ class VLLMEngine:
     def wake(self) -> None:
         """Weights (level 1: back from host memory) and KV cache on the GPU; rollout/vllm_memory_gb is what that
         took from the free memory."""
+        if not (self.weights_awake and self.cache_awake):
+            # vLLM maps its memory through the driver, outside PyTorch's caching allocator: the blocks the update's
+            # activations left cached there must go back first (1.5B with a whole-step micro-batch: 95 GiB cached
+            # beside a 42 GiB engine on a 140 GiB H200 failed its wake-up without this)
+            torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
         for tag, awake in (("weights", self.weights_awake), ("kv_cache", self.cache_awake)):
             if not awake:
