@@ -925,7 +925,10 @@ def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Co
         description="meshrl: PPO/GRPO on DeviceMesh pools\n\n"
                     "overrides: KEY=VALUE with a dotted key (actor.optim.lr=1e-6) and a YAML value (true, null, "
                     "[1, 2], {spec: gsm8k}),\napplied over --config FILE; a top-level `base: other.yaml` in FILE "
-                    "(relative to it) is read first and FILE updates it.",
+                    "(relative to it) is read first and FILE updates it."
+                    + ("\n\nplanner: --plan [--world N] [--gpu-memory GiB] [--suggest] [--json] prints the memory per "
+                       "role and rank\nfrom the config and the models' config.json files, and a placement with "
+                       "--suggest (--plan --help)" if check in (None, check_ppo) else ""),
         epilog=describe_schema(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (configs/*.yaml)")
     parser.add_argument("--print-config", action="store_true",

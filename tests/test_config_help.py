@@ -47,6 +47,7 @@ def test_help_lists_every_key_with_type_default_and_comment(script):
     missing = [k for k in keys if k not in first_words]
     assert not missing, f"keys not listed by --help: {missing}\n{proc.stdout}"
     assert "base:" in proc.stdout and "KEY=VALUE" in proc.stdout
+    assert ("--plan [--world N]" in proc.stdout) == (script == "train_ppo.py"), "the planner is train_ppo.py's"
     for cls, key in ((C.RolloutConfig, "rollout.n"), (C.PoolConfig, "placement.pools[].size")):
         tp, default, comment = source_field(cls, key.rsplit(".", 1)[1])
         line = next(line for line in lines if line.split()[:1] == [key])
