@@ -648,7 +648,7 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           f"{cfg.rollout.max_new_tokens} (the penalty ramps over the last N tokens of a response)")
     if cfg.algorithm.kl.in_reward and cfg.algorithm.kl.in_loss:
         raise ConfigError("algorithm.kl.in_reward and algorithm.kl.in_loss are both true; choose one")
-    if cfg.reward.model_path is None and not cfg.reward.functions:
+    if cfg.reward.model_path is None and not cfg.reward.functions and "reward" in required_roles(cfg):
         raise ConfigError("reward: set reward.model_path or reward.functions (e.g. [{spec: gsm8k}])")
     if cfg.run.wandb and this_machine:
         import importlib.util
@@ -901,8 +901,11 @@ def _yaml_text(value) -> str:
 
 
 def required_roles(cfg: Config) -> tuple[str, ...]:
-    """The roles a PPO run needs: no critic without GAE, no reference without a KL term."""
-    roles = ["actor", "reward"]
+    """The roles a PPO run needs: no critic without GAE, no reference without a KL term, no reward when nothing is
+    scored (offline training, whose scores are logged, with no eval set)."""
+    roles = ["actor"]
+    if not (cfg.data.rollouts_path and not path_list(cfg.data.eval_path)):
+        roles.append("reward")
     if cfg.algorithm.adv_estimator == "gae":
         roles.append("critic")
     if cfg.algorithm.kl.in_reward or cfg.algorithm.kl.in_loss:

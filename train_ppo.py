@@ -142,7 +142,7 @@ class PPOTrainer:
         self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
                                    cfg.actor.micro_batch_tokens, trust) if self.use_ref and hosts("reference") else None
         self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
-                             trust) if hosts("reward") else None
+                             trust) if "reward" in self.pools and hosts("reward") else None
 
         self._check_rewards()
         stops = stop_token_ids(path, self.tokenizer, cfg.rollout.stop_token_ids, trust)

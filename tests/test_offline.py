@@ -70,8 +70,9 @@ def test_text_rollouts_without_logprobs_train_against_the_current_policy(assets,
     rows = [{"prompt": f"{a}+{b}=", "response": r, "score": ones_fraction(r, None, "")}
             for a in range(4) for b in range(2) for r in ("1", "11", "2", "12")]
     data = rows_to(tmp_path / "logged.jsonl", rows)
+    # no eval set: nothing to score, so no reward is needed
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", algorithm=GRPO, run={"total_steps": 2},
-                       data={"train_path": "", "rollouts_path": data})
+                       data={"train_path": "", "rollouts_path": data, "eval_path": None}, reward={"functions": []})
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 0, explain(proc)
     assert "the current policy's log-probs before each update (the files have no logprobs)" in proc.stderr
