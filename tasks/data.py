@@ -106,7 +106,8 @@ def _as_text(value: object, key: str, where: str) -> str:
 def load_prompt_records(
     path: str | Path, prompt_key: str = "prompt", ground_truth_key: str = "ground_truth"
 ) -> list[dict]:
-    """Records `{"prompt": str | list[dict], "ground_truth": str | None, "columns": dict}`; the ground truth is None
+    """Records `{"prompt": str | list[dict], "ground_truth": str | None, "columns": dict, "where": "file:line"}`
+    (`where` names the record in PromptDataset's errors); the ground truth is None
     where absent; `columns` holds every other column of the row by name (the ground truth's too), for reward
     functions that read them (`data_source`, `extra_info`, ...)."""
     records = []
@@ -116,7 +117,7 @@ def load_prompt_records(
         if found and ground_truth is not None:
             ground_truth = _as_text(ground_truth, ground_truth_key, where)
         columns = {k: v for k, v in row.items() if k != prompt_key}
-        records.append({"prompt": prompt, "ground_truth": ground_truth, "columns": columns})
+        records.append({"prompt": prompt, "ground_truth": ground_truth, "columns": columns, "where": where})
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
@@ -213,19 +214,20 @@ class PromptDataset:
 
         prompt_texts, templated = [], []
         for i, record in enumerate(records):
-            prompt = _check_prompt(record["prompt"], f"record {i}")
+            where = record.get("where", f"record {i}")
+            prompt = _check_prompt(record["prompt"], where)
             if isinstance(prompt, str) and not chat_template:
                 if system_prompt is not None:
-                    raise ValueError(f"record {i}: a system prompt is set but this text prompt is not templated; "
+                    raise ValueError(f"{where}: a system prompt is set but this text prompt is not templated; "
                                      "template text prompts too (data.chat_template=true) or drop the system prompt")
                 prompt_texts.append(prompt)
                 templated.append(False)
                 continue
             if chat_template is False:
-                raise ValueError(f"record {i}: the prompt is a list of chat messages but chat_template=False")
+                raise ValueError(f"{where}: the prompt is a list of chat messages but chat_template=False")
             if not has_template:
                 raise ValueError(
-                    f"record {i}: the prompt is a list of chat messages but the tokenizer has no chat template; "
+                    f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
                     "set tokenizer.chat_template or give prompts as text"
                 )
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -247,7 +249,8 @@ class PromptDataset:
         self.items = []
         for i, record in enumerate(records):
             if not prompt_ids[i]:
-                raise ValueError(f"record {i}: the prompt {record['prompt']!r:.200} tokenises to no tokens")
+                raise ValueError(f"{record.get('where', f'record {i}')}: the prompt {record['prompt']!r:.200} "
+                                 "tokenises to no tokens")
             if len(prompt_ids[i]) <= max_prompt_len:
                 self.items.append(
                     {

@@ -91,11 +91,14 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
         raise ValueError(f"{', '.join(map(str, paths))}: no rollout rows")
 
     # prompts given as text or messages: tokenised as online prompts are (chat template, system prompt)
-    texts = list({json.dumps(p, sort_keys=True): p for _, _, ids, p in rows if ids is None}.values())
+    texts = {}  # each text prompt once, with its first row for errors
+    for where, _, ids, prompt in rows:
+        if ids is None:
+            texts.setdefault(json.dumps(prompt, sort_keys=True), {"prompt": prompt, "where": where})
     encoded = {}
     if texts:
-        dataset = PromptDataset([{"prompt": p} for p in texts], tokenizer, 1 << 30, chat_template, system_prompt)
-        encoded = {json.dumps(p, sort_keys=True): item for p, item in zip(texts, dataset.items)}
+        dataset = PromptDataset(list(texts.values()), tokenizer, 1 << 30, chat_template, system_prompt)
+        encoded = dict(zip(texts, dataset.items))
 
     groups: dict[str, dict] = {}
     with_logprobs = 0

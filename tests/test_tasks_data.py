@@ -53,7 +53,8 @@ FORMATS = ["jsonl", "parquet", "save_to_disk"]
 
 
 def without_columns(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "columns"} for r in records]
+    """The records less their data columns and where they came from."""
+    return [{k: v for k, v in r.items() if k not in ("columns", "where")} for r in records]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -155,6 +156,11 @@ def test_several_eval_files_are_tagged_by_file_and_named_as_sources(tmp_path):
     # a record's own data_source wins; the others get their file's name
     assert [r["columns"]["data_source"] for r in records] == ["gsm8k", "math", "math", "other", "other"]
     assert without_columns(records)[3:] == [{**r, "file": 1} for r in without_columns(load_prompt_records(b))]
+    # an error in a record names its file and line or row, not its place in the joined list
+    messages = [{"prompt": [{"role": "user", "content": "1+2="}], "ground_truth": "3"}]
+    chat = write(messages, tmp_path / "chat", "parquet")
+    with pytest.raises(ValueError, match=f"^{chat} row 0: the prompt is a list of chat messages"):
+        PromptDataset(load_eval_records([a, chat]), build_char_tokenizer("0123456789+="), 16, chat_template=False)
     # one file: nothing added (the overall eval metrics are the only ones)
     assert all("data_source" not in r["columns"] for r in load_eval_records([b]))
     # two files of one name: the paths tell them apart
