@@ -661,18 +661,23 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be a multiple of the actor pool's "
                           f"data-parallel size {dp} (each dp rank generates for an equal share)")
     if not cfg.quickstart.enabled and this_machine:
-        offline = path_list(cfg.data.rollouts_path)
-        train = [] if offline else [("data.train_path", cfg.data.train_path)]
-        for key, path in (*train, ("model.path", cfg.model.path)):
-            if not path or not os.path.exists(path):
-                raise ConfigError(f"{key}={path!r}: not found")
-        for i, path in enumerate(offline):
-            if not os.path.exists(path):
-                raise ConfigError(f"data.rollouts_path{f'[{i}]' if len(offline) > 1 else ''}={path!r}: not found")
-        paths = path_list(cfg.data.eval_path)
+        train = [] if path_list(cfg.data.rollouts_path) else [("data.train_path", cfg.data.train_path)]
+        _check_found([*train, ("model.path", cfg.model.path)],
+                     [("data.rollouts_path", cfg.data.rollouts_path), ("data.eval_path", cfg.data.eval_path)])
+
+
+def _check_found(required: list[tuple[str, str | None]], optional: list[tuple[str, str | list[str] | None]] = ()
+                 ) -> None:
+    """Every required path is set and exists; every path an optional one-or-a-list key names exists (`key[i]` names
+    one of several)."""
+    for key, path in required:
+        if not path or not os.path.exists(path):
+            raise ConfigError(f"{key}={path!r}: not found")
+    for key, value in optional:
+        paths = path_list(value)
         for i, path in enumerate(paths):
             if not os.path.exists(path):
-                raise ConfigError(f"data.eval_path{f'[{i}]' if len(paths) > 1 else ''}={path!r}: not found")
+                raise ConfigError(f"{key}{f'[{i}]' if len(paths) > 1 else ''}={path!r}: not found")
 
 
 def path_list(path: str | list[str] | None) -> list[str]:
@@ -762,9 +767,7 @@ def check_ranges(cfg: Config, ranges) -> None:
 def check_sft(cfg: Config, world_size: int) -> None:
     """Everything train_sft.py needs: one pool of all ranks for the model being fine-tuned."""
     check_world(cfg, world_size, ())
-    for key, path in (("sft.train_path", cfg.sft.train_path), ("model.path", cfg.model.path)):
-        if not path or not os.path.exists(path):
-            raise ConfigError(f"{key}={path!r}: not found")
+    _check_found([("sft.train_path", cfg.sft.train_path), ("model.path", cfg.model.path)])
 
 
 RM_RANGES = (
@@ -787,10 +790,8 @@ def check_rm(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rm.batch_size={cfg.rm.batch_size}: must be a multiple of the data-parallel size {dp} "
                           f"(world size {world_size} / placement.tp {cfg.placement.tp}): each rank takes an equal "
                           "share")
-    paths = [("rm.train_path", cfg.rm.train_path), ("model.path", cfg.model.path)]
-    for key, path in paths + ([("rm.eval_path", cfg.rm.eval_path)] if cfg.rm.eval_path is not None else []):
-        if not path or not os.path.exists(path):
-            raise ConfigError(f"{key}={path!r}: not found")
+    _check_found([("rm.train_path", cfg.rm.train_path), ("model.path", cfg.model.path)],
+                 [("rm.eval_path", cfg.rm.eval_path)])
 
 
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:

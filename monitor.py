@@ -246,16 +246,24 @@ class HealthWarnings:
         return out
 
 
-def read_metrics_file(run_dir: str) -> list[dict]:
-    """metrics.jsonl's complete lines (a non-finite value is null there; a line a kill cut short is left out)."""
-    rows = []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+def _json_lines(path: str) -> list[tuple[str, dict]]:
+    """(line, record) for every complete JSON line of `path`; a line a kill cut short is dropped with a warning."""
+    out = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
                 continue
-    return rows
+            try:
+                out.append((line, json.loads(line)))
+            except json.JSONDecodeError:
+                logging.getLogger("meshrl").warning("%s line %d is not complete JSON (a write cut short); dropped",
+                                                    path, number)
+    return out
+
+
+def read_metrics_file(run_dir: str) -> list[dict]:
+    """metrics.jsonl's complete lines (a non-finite value is null there)."""
+    return [record for _, record in _json_lines(os.path.join(run_dir, "metrics.jsonl"))]
 
 
 def run_summary(rows: list[dict]) -> dict:
@@ -362,19 +370,8 @@ class MetricsLogger:
             path = os.path.join(self.run_dir, name)
             if not os.path.exists(path):
                 continue
-            kept = []
-            with open(path) as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        logging.getLogger("meshrl").warning("%s line %d is not complete JSON (a write cut short); "
-                                                            "dropped", path, number)
-                        continue
-                    if record["step"] <= step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
+            kept = [line if line.endswith("\n") else line + "\n"
+                    for line, record in _json_lines(path) if record["step"] <= step]
             with open(path, "w") as f:
                 f.writelines(kept)
         self.jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")

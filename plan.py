@@ -653,11 +653,11 @@ def _split(cfg: C.Config, world: int, gpu: int, groups: list[list[str]], weights
     models = role_models(cfg)
     sizes, tps = [], []
     for roles in groups:
-        size = next((s for s in range(1, world + 1) if _pool_tp(cfg, models, roles, s, gpu)), None)
-        if size is None:
+        smallest = next(((s, tp) for s in range(1, world + 1) if (tp := _pool_tp(cfg, models, roles, s, gpu))), None)
+        if smallest is None:
             return None
-        sizes.append(size)
-        tps.append(_pool_tp(cfg, models, roles, size, gpu))
+        sizes.append(smallest[0])
+        tps.append(smallest[1])
     if sum(sizes) > world:
         return None
     share = [sum(weights.get(r, 0.0) for r in roles) for roles in groups]

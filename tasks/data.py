@@ -94,6 +94,13 @@ def _check_prompt(prompt: object, where: str) -> str | list[dict]:
     )
 
 
+def _finite_number(value: object, what: str, where: str) -> float:
+    """A data column's number (a margin, a logged score): finite, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: {what} must be a finite number, got {type(value).__name__} {value!r:.200}")
+    return float(value)
+
+
 def _as_text(value: object, key: str, where: str) -> str:
     # Numbers are accepted because answer columns are often stored as ints or floats.
     if isinstance(value, str):
@@ -173,12 +180,8 @@ def load_preference_records(path: str | Path, prompt_key: str = "prompt", chosen
         chosen = _check_response(_required(row, chosen_key, where, "chosen"), chosen_key, where)
         rejected = _check_response(_required(row, rejected_key, where, "rejected"), rejected_key, where)
         margin, _ = _lookup(row, margin_key)
-        if margin is None:
-            margin = 0.0
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
-            raise ValueError(f"{where}: column {margin_key!r} must be a finite number, got {type(margin).__name__} "
-                             f"{margin!r:.200}")
-        records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": float(margin)})
+        margin = 0.0 if margin is None else _finite_number(margin, f"column {margin_key!r}", where)
+        records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": margin})
     if not records:
         raise ValueError(f"{path} holds no records")
     return records

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.data import PromptDataset, _check_prompt, _lookup, _read_rows, _required
+from tasks.data import PromptDataset, _check_prompt, _finite_number, _lookup, _read_rows, _required
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,11 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
         raise ValueError(f"{', '.join(map(str, paths))}: no rollout rows")
 
     # prompts given as text or messages: tokenised as online prompts are (chat template, system prompt)
+    keys = [json.dumps(prompt, sort_keys=True) if ids is None else None for _, _, ids, prompt in rows]
     texts = {}  # each text prompt once, with its first row for errors
-    for where, _, ids, prompt in rows:
+    for (where, _, ids, prompt), key in zip(rows, keys):
         if ids is None:
-            texts.setdefault(json.dumps(prompt, sort_keys=True), {"prompt": prompt, "where": where})
+            texts.setdefault(key, {"prompt": prompt, "where": where})
     encoded = {}
     if texts:
         dataset = PromptDataset(list(texts.values()), tokenizer, 1 << 30, chat_template, system_prompt)
@@ -102,11 +103,11 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
 
     groups: dict[str, dict] = {}
     with_logprobs = 0
-    for where, row, ids, prompt in rows:
+    for (where, row, ids, prompt), key in zip(rows, keys):
         if ids is not None:
             prompt_ids, prompt_text = ids, tokenizer.decode(ids)
         else:
-            item = encoded[json.dumps(prompt, sort_keys=True)]
+            item = encoded[key]
             prompt_ids, prompt_text = item["prompt_ids"], item["prompt_text"]
         if row.get("response_ids") is not None:
             response = _token_ids(row["response_ids"], "response_ids", where, vocab_size)
@@ -123,8 +124,7 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
         score, found = _lookup(row, "score")
         if not found:
             raise ValueError(f"{where}: no score column (columns: {', '.join(sorted(row))})")
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            raise ValueError(f"{where}: score must be a finite number, got {score!r:.100}")
+        score = _finite_number(score, "score", where)
         logprobs = row.get("logprobs")
         if logprobs is not None:
             logprobs = logprobs.tolist() if hasattr(logprobs, "tolist") else logprobs
@@ -145,7 +145,7 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
             "where": where, "ground_truth": None if ground_truth is None else str(ground_truth),
             "columns": {k: v for k, v in row.items() if k not in ROLLOUT_COLUMNS}})
         group["responses"].append(response)
-        group["scores"].append(float(score))
+        group["scores"].append(score)
         group["logprobs"].append(logprobs)
     if 0 < with_logprobs < len(rows):
         first = next(where for where, row, _, _ in rows if row.get("logprobs") is None)
