@@ -144,6 +144,9 @@ class RolloutConfig:
     compile: bool = True  # torch.compile the decode step before graph capture (GPU only)
     compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
     fused_projections: bool = True  # q/k/v and gate/up as one GEMM each: copies ~2/3 of the blocks' weights per rollout
+    # the decode step's attention and sampling: auto = rollout/kernels.py's Triton kernels where they run (CUDA,
+    # Triton, head_dim a power of 2; sampling without top-k / top-p), else PyTorch's; triton = the kernels or an error
+    decode_kernels: Literal["auto", "triton", "torch"] = "auto"
     # the vLLM engine: ranks per engine (contiguous), what sleeping between rollouts frees (1: the KV cache, weights
     # kept in host memory; 2: both), and the start-up check's bound on the mean |vLLM - actor| log-prob gap
     # (gpu_memory_utilization above is vLLM's share of the GPU)
@@ -642,6 +645,8 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           "whose samples all score the same, i.e. every group of one; set rollout.n >= 2")
     if cfg.rollout.engine == "vllm":
         check_vllm(cfg, world_size, this_machine)
+    elif cfg.rollout.decode_kernels == "triton":
+        check_triton_kernels(cfg, this_machine)
     buffer = cfg.algorithm.filters.overlong_buffer
     if buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.filters.overlong_buffer={buffer}: must be <= rollout.max_new_tokens="
@@ -683,6 +688,23 @@ def _check_found(required: list[tuple[str, str | None]], optional: list[tuple[st
 def path_list(path: str | list[str] | None) -> list[str]:
     """A one-or-a-list path key (data.eval_path, data.rollouts_path) as a list: none, one path or several."""
     return [] if path is None else [path] if isinstance(path, str) else list(path)
+
+
+def check_triton_kernels(cfg: Config, this_machine: bool = True) -> None:
+    """rollout.decode_kernels=triton: a GPU, the compact forward, Triton importable."""
+    import importlib.util
+
+    import torch
+
+    key = "rollout.decode_kernels=triton"
+    if cfg.run.device == "cpu":
+        raise ConfigError(f"{key}: the kernels run on GPUs; with run.device=cpu use auto or torch")
+    if not cfg.rollout.compact_forward:
+        raise ConfigError(f"{key} needs rollout.compact_forward=true (the HF-forward path uses HF's attention)")
+    if this_machine and importlib.util.find_spec("triton") is None:
+        raise ConfigError(f"{key}: Triton is not installed (the CUDA build of torch brings it); use auto or torch")
+    if this_machine and cfg.run.device == "auto" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}: this machine has no CUDA GPU (run.device=auto picks the CPU); use auto or torch")
 
 
 def check_vllm(cfg: Config, world_size: int, this_machine: bool = True) -> None:

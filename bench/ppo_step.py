@@ -295,9 +295,11 @@ def main() -> None:
                 else:
                     r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
                                 system == "trl-vllm")
-                r.update(system=system if not system.startswith("meshrl") or args.micro_batch_tokens == WHOLE_STEP else
-                         f"{system} (micro-batch {args.micro_batch_tokens})", model=model, lengths=lengths,
-                         params=params)
+                label = system
+                if system.startswith("meshrl"):
+                    notes = [f"micro-batch {args.micro_batch_tokens}"] if args.micro_batch_tokens != WHOLE_STEP else []
+                    label += f" ({', '.join(notes + args.extra)})" if notes or args.extra else ""
+                r.update(system=label, model=model, lengths=lengths, params=params)
                 if "error" in r:
                     print(r["error"], flush=True)
                 else:

@@ -32,7 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rollout.native import NativeEngine, SamplingParams  # noqa: E402
+from rollout.slots import KERNEL_OPS  # noqa: E402
 
+KERNEL_VARIANTS = {"torch": ("torch", frozenset()), "attention": ("triton", frozenset({"attention"})),
+                   "triton": ("triton", KERNEL_OPS)}
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (../shared/BENCHMARKS.md)
 
 
@@ -74,13 +77,9 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
-    engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
-                          fused_projections=not args.no_fused)
-    if engine.fallback_reason is not None:
-        raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
     rows = []
 
-    def ours(params: SamplingParams, limits=None, label=""):
+    def ours(engine: NativeEngine, params: SamplingParams, limits=None, label=""):
         seed = torch.Generator(device=device).manual_seed(0)
         run = lambda: engine.generate(prompts, params, seed, max_new_tokens=limits)
         start = time.perf_counter()
@@ -98,15 +97,34 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
               f"{step_ms:.2f} ms/step, stats {stats}", flush=True)
         return tokens, seconds, peak, prefill_s, step_ms, stats
 
-    if args.profile:
-        profile_decode(engine, prompts)
     new = args.new
     equal = SamplingParams(max_new_tokens=new, temperature=1.0, min_new_tokens=new)
-    tokens, seconds, peak, prefill_s, step_ms, stats = ours(equal, label="equal")
     mean_context = args.prompt_len + new / 2
-    row = dict(model=name, run=f"equal {args.prompts}x({args.prompt_len}+{new})", tokens=tokens, ours_s=seconds,
-               ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s, step_ms=step_ms,
-               floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context), graphs=stats["graphs"])
+    variant_rows = []
+    if args.spread:  # the same lengths for every variant
+        low, high = args.spread
+        limits = torch.randint(low, high + 1, (args.prompts,), generator=gen).tolist()
+    for variant in args.kernels:
+        decode_kernels, ops = KERNEL_VARIANTS[variant]
+        engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
+                              fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops)
+        if engine.fallback_reason is not None:
+            raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
+        if args.profile:
+            profile_decode(engine, prompts, label=variant)
+        tokens, seconds, peak, prefill_s, step_ms, stats = ours(engine, equal, label=f"equal, kernels {variant}")
+        variant_rows.append(dict(
+            model=name, run=f"equal {args.prompts}x({args.prompt_len}+{new})", kernels=variant, tokens=tokens,
+            ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s, step_ms=step_ms,
+            floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context), graphs=stats["graphs"]))
+        if args.spread:
+            spread = SamplingParams(max_new_tokens=high, temperature=1.0)
+            tokens, seconds, peak, prefill_s, step_ms, stats = ours(engine, spread, limits,
+                                                                    label=f"spread, kernels {variant}")
+            variant_rows.append(dict(
+                model=name, run=f"spread {args.prompts}x({args.prompt_len}+{low}..{high})", kernels=variant,
+                tokens=tokens, ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s,
+                step_ms=step_ms, graphs=stats["graphs"]))
 
     if args.hf_prompts > 0:
         ids = torch.tensor(prompts[: args.hf_prompts], device=device)
@@ -116,21 +134,13 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         out, hf_s, hf_peak = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs))
         hf_tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
         print(f"[{name} hf] {hf_tokens} tokens in {hf_s:.2f} s", flush=True)
-        row.update(hf=f"{args.hf_prompts} prompts", hf_tps=hf_tokens / hf_s, hf_peak_gib=hf_peak)
-    rows.append(row)
-
-    if args.spread:
-        low, high = args.spread
-        limits = torch.randint(low, high + 1, (args.prompts,), generator=gen).tolist()
-        spread = SamplingParams(max_new_tokens=high, temperature=1.0)
-        tokens, seconds, peak, prefill_s, step_ms, stats = ours(spread, limits, label="spread")
-        rows.append(dict(model=name, run=f"spread {args.prompts}x({args.prompt_len}+{low}..{high})", tokens=tokens,
-                         ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s,
-                         step_ms=step_ms, graphs=stats["graphs"]))
-    return rows
+        for r in variant_rows:
+            if r["run"].startswith("equal"):
+                r.update(hf=f"{args.hf_prompts} prompts", hf_tps=hf_tokens / hf_s, hf_peak_gib=hf_peak)
+    return rows + variant_rows
 
 
-def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32) -> None:
+def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32, label: str = "") -> None:
     """Print the GPU time of one decode step by kernel, from eager (graph-free) steps under the profiler: the
     difference between a run of steps + 2 tokens and one of 2 tokens, so prefill and set-up cancel out."""
     graphs = engine.slots.cuda_graphs
@@ -150,19 +160,20 @@ def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
     total = sum(t for t, _ in per_kernel.values()) / steps
     launches = sum(c for _, c in per_kernel.values()) / steps
-    print(f"decode step, GPU time by kernel (eager, {steps} steps): {total / 1e3:.3f} ms in {launches:.0f} kernels")
+    print(f"decode step ({label}), GPU time by kernel (eager, {steps} steps): {total / 1e3:.3f} ms in {launches:.0f} "
+          "kernels")
     for key, (time_us, count) in rows[:25]:
         print(f"  {time_us / steps:8.1f} us  x{count / steps:5.1f}  {key[:110]}")
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | run | tokens | ours tok/s | HF generate tok/s | ratio | ours peak GiB | HF peak GiB | prefill s "
-            "| ms/decode step | floor ms/step | graphs |")
+    head = ("| model | run | kernels | tokens | ours tok/s | HF generate tok/s | ratio | ours peak GiB | HF peak GiB "
+            "| prefill s | ms/decode step | floor ms/step | graphs |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         hf, floor = r.get("hf_tps"), r.get("floor_ms")
         cells = [
-            r["model"], r["run"], str(r["tokens"]), f"{r['ours_tps']:,.0f}",
+            r["model"], r["run"], r["kernels"], str(r["tokens"]), f"{r['ours_tps']:,.0f}",
             f"{hf:,.0f} ({r['hf']})" if hf else "not run",
             f"{r['ours_tps'] / hf:.1f}x" if hf else "-",
             f"{r['peak_gib']:.2f}",
@@ -189,6 +200,9 @@ def main() -> None:
     parser.add_argument("--no-fused", action="store_true",
                         help="separate q/k/v and gate/up GEMMs (rollout.fused_projections false)")
     parser.add_argument("--profile", action="store_true", help="print a decode step's GPU time by kernel first")
+    parser.add_argument("--kernels", nargs="+", default=["triton"], choices=list(KERNEL_VARIANTS),
+                        help="decode kernels, one engine run each: torch (SDPA, sampling.py), attention (the Triton "
+                             "attention only), triton (attention and sampling: the default where Triton runs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)

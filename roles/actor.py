@@ -53,7 +53,7 @@ class Actor:
             max_num_seqs=r.max_num_seqs, kv_cache_tokens=r.kv_cache_tokens,
             gpu_memory_utilization=r.gpu_memory_utilization, max_prefill_tokens=r.max_prefill_tokens,
             cuda_graphs=r.cuda_graphs, compile=r.compile, compact_forward=r.compact_forward,
-            fused_projections=r.fused_projections)
+            fused_projections=r.fused_projections, decode_kernels=r.decode_kernels)
         engine_options["reshard_after_forward"] = cfg.fsdp.reshard_after_forward
         self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group,
                                    **engine_options)

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from rollout.kernels import decode_attention
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Rotary variants whose inverse frequencies the HF rotary module fixes at init; the dynamic ones (NTK, longrope)
 # change them with the sequence length, which this forward does not do.
@@ -237,10 +239,11 @@ def decode_layer(
     pos: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     eps: float,
     head_dim: int,
     reduce: Reduce | None = None,
+    length: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block for one new token in each of the first B slots of the cache.
 
@@ -248,7 +251,8 @@ def decode_layer(
     sum fuses with the norm under torch.compile; the first block gets the embeddings and zeros).
     k_cache, v_cache: [S, kv_heads, T_max, D], this block's cache; the new key/value of slot b is written at pos[b].
     pos: [B] long. cos, sin: [B, D]. mask: [B, 1, 1, T] bool, True on the cached positions slot b may attend to
-    (T <= T_max: attention reads only the first T positions of each slot).
+    (T <= T_max: SDPA reads only the first T positions of each slot); None: attention by rollout/kernels.py's
+    decode_attention, which reads positions 0..pos[b] of slot b (length: the T it may assume, pos < length).
     Returns (block output, residual), [B, hidden] each.
     """
     residual = hidden + residual
@@ -259,13 +263,16 @@ def decode_layer(
     rows = torch.arange(batch, device=x.device)
     k_cache[rows, :, pos] = k
     v_cache[rows, :, pos] = v
-    # Grouped-query attention for one position: the query heads sharing a key/value head become that head's
-    # "query positions", so SDPA reads each cached key/value head once and needs no repeat.
-    kv_heads, length = k.shape[1], mask.shape[-1]
-    q = q.view(batch, kv_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(
-        q, k_cache[:batch, :, :length], v_cache[:batch, :, :length], attn_mask=mask
-    )
+    if mask is None:
+        out = decode_attention(q, k_cache, v_cache, pos, length)
+    else:
+        # Grouped-query attention for one position: the query heads sharing a key/value head become that head's
+        # "query positions", so SDPA reads each cached key/value head once and needs no repeat.
+        kv_heads, length = k.shape[1], mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q.view(batch, kv_heads, -1, head_dim), k_cache[:batch, :, :length], v_cache[:batch, :, :length],
+            attn_mask=mask,
+        )
     residual = _row_parallel(out.reshape(batch, -1), w.o, w.o_bias, reduce) + residual
     return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual
 

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from rollout.api import ATTENTION_BACKENDS, RolloutOutput, SamplingParams
 from rollout.decoder import unsupported_reason
 from rollout.sampling import sample_next_tokens, take_first_tp_rank
-from rollout.slots import SlotEngine
+from rollout.slots import KERNEL_OPS, SlotEngine
 
 __all__ = ["NativeEngine", "RolloutOutput", "SamplingParams"]
 
@@ -44,7 +44,8 @@ class NativeEngine:
     compile turn on CUDA-graph capture of the decode step and torch.compile of its pieces (CUDA only).
     fused_projections: decode with q/k/v and gate/up stacked into one weight each, copied once per rollout (one
     GEMM where there were three and two; the copies hold about two thirds of the decoder blocks' weights while the
-    rollout runs, out of the rollout's memory share).
+    rollout runs, out of the rollout's memory share). decode_kernels: "auto", "triton" or "torch", the decode step's
+    attention and sampling kernels, kernel_ops which of them (rollout/slots.SlotEngine).
     compact_forward=False forces the HF-forward path; models the compact forward cannot run use it anyway, and
     fallback_reason says why. reshard_after_forward: the FSDP2 setting the model was sharded with, put back after
     every rollout (which keeps the parameters unsharded while it runs).
@@ -65,6 +66,8 @@ class NativeEngine:
         compile: bool = True,
         compact_forward: bool = True,
         fused_projections: bool = True,
+        decode_kernels: str = "auto",
+        kernel_ops: frozenset[str] = KERNEL_OPS,
         reshard_after_forward: bool = True,
     ):
         self.vocab_size = model.config.vocab_size
@@ -89,7 +92,7 @@ class NativeEngine:
         if self.fallback_reason is None:
             self.slots = SlotEngine(model, pad_token_id, tp_group, max_num_seqs, kv_cache_tokens,
                                     gpu_memory_utilization, max_prefill_tokens, cuda_graphs, compile,
-                                    fused_projections)
+                                    fused_projections, decode_kernels, kernel_ops)
         self.stats: dict[str, float] = {}  # of the last generate call: reshard_s, and the slot engine's counters
 
     def generate(

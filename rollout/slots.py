@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import kernels
 from rollout.api import RolloutOutput, SamplingParams
 from rollout.decoder import DecoderWeights, decode_layer, prefill_layer, read_weights, rms_norm, rope_tables
 from rollout.sampling import gumbel_noise, sample_with_noise, take_first_tp_rank
@@ -35,6 +36,8 @@ STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idl
 MIN_BATCH_BUCKET = 8
 CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
+DECODE_KERNELS = ("auto", "triton", "torch")
+KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
 COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
 
 
@@ -58,13 +61,14 @@ def decode_inputs(
     embed: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """token, pos: [B] long; embed: [V, hidden]; cos/sin_table: [T_max, D]; positions: [T] = arange(T).
+    positions: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """token, pos: [B] long; embed: [V, hidden]; cos/sin_table: [T_max, D]; positions: [T] = arange(T), or None
+    when attention needs no mask (the Triton kernel reads each slot's live length itself).
     Returns embeddings [B, hidden], cos and sin [B, D] at pos, and the attention mask [B, 1, 1, T] (positions <= pos:
-    the cache so far and the token written this step)."""
-    mask = positions[None, :] <= pos[:, None]
-    return F.embedding(token, embed), cos_table[pos], sin_table[pos], mask[:, None, None, :]
+    the cache so far and the token written this step) or None."""
+    mask = None if positions is None else (positions[None, :] <= pos[:, None])[:, None, None, :]
+    return F.embedding(token, embed), cos_table[pos], sin_table[pos], mask
 
 
 def sample_and_record(
@@ -81,6 +85,7 @@ def sample_and_record(
     top_k: int,
     top_p: float,
     min_new_tokens: int,
+    kernel_sampling: bool,
     advance_positions: bool,
     broadcast: Callable | None = None,
 ) -> None:
@@ -91,15 +96,19 @@ def sample_and_record(
     A slot that is not live samples too (its work is in the batch anyway) but writes to the spare output row and
     keeps its state. advance_positions: a decode step moves pos past the token it just wrote; prefill does not (the
     prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
-    tokens and logprobs.
+    tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's one-pass kernel (no top-k / top-p), the same
+    draw as sampling.sample_with_noise.
     """
     logits = F.linear(rms_norm(hidden + residual, norm, eps), lm_head)
     gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]
-    banned = None
-    if stop_mask is not None and min_new_tokens > 0:
-        banned = (gen < min_new_tokens)[:, None] & stop_mask[None, :]
-    noise = gumbel_noise(seed, seq, gen, logits.shape[-1]) if temperature > 0 else None
-    tokens, logprobs = sample_with_noise(logits, temperature, top_k, top_p, banned, noise)
+    ban = stop_mask is not None and min_new_tokens > 0
+    if kernel_sampling:
+        tokens, logprobs = kernels.sample_tokens(logits, temperature, seed, seq, gen, stop_mask if ban else None,
+                                                 gen < min_new_tokens if ban else None)
+    else:
+        banned = (gen < min_new_tokens)[:, None] & stop_mask[None, :] if ban else None
+        noise = gumbel_noise(seed, seq, gen, logits.shape[-1]) if temperature > 0 else None
+        tokens, logprobs = sample_with_noise(logits, temperature, top_k, top_p, banned, noise)
     if broadcast is not None:
         tokens, logprobs = broadcast(tokens, logprobs)
     spare = state.out_len.shape[0] - 1
@@ -162,7 +171,11 @@ class SlotEngine:
     (padded) per prefill forward, which bounds its activations. cuda_graphs / compile: capture the decode step in
     CUDA graphs, and compile its blocks and sampling with torch.compile first (CUDA only; compile is skipped under
     tensor parallelism, whose all-reduce runs between the compiled pieces). fused_projections: decode with stacked
-    q/k/v and gate/up weights, copied per rollout (rollout/decoder.read_weights).
+    q/k/v and gate/up weights, copied per rollout (rollout/decoder.read_weights). decode_kernels: "auto" (the
+    Triton kernels of rollout/kernels.py where they run: CUDA with Triton, head_dim a power of two; else PyTorch's
+    SDPA and sampling.py), "triton" (the kernels or an error saying why not) or "torch". kernel_ops: which of them
+    (KERNEL_OPS: decode attention; sampling, which without top-k / top-p it takes over) - all unless a benchmark
+    measures them one by one.
     """
 
     def __init__(
@@ -177,7 +190,15 @@ class SlotEngine:
         cuda_graphs: bool,
         compile: bool,
         fused_projections: bool = True,
+        decode_kernels: str = "auto",
+        kernel_ops: frozenset[str] = KERNEL_OPS,
     ):
+        if decode_kernels not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
+        if not kernel_ops <= KERNEL_OPS:
+            raise ValueError(f"kernel_ops must be a subset of {sorted(KERNEL_OPS)}, got {sorted(kernel_ops)}")
+        self.decode_kernels = decode_kernels
+        self.kernel_ops = kernel_ops
         self.model = model
         self.fused_projections = fused_projections
         self.pad_token_id = pad_token_id
@@ -190,7 +211,9 @@ class SlotEngine:
         self.compile = compile
         self._compiled: dict[str, Callable] = {}
         self._warm: set[tuple] = set()  # (bucket, run shapes) that ran once before, so capture needs no warm-up run
-        self.stats: dict[str, int] = {}  # of the last generate call: slots, decode_steps, prefills, graphs
+        # of the last generate call: slots, decode_steps, prefills, graphs, kernel_attention and kernel_sampling (1:
+        # by the Triton kernel)
+        self.stats: dict[str, int] = {}
 
     def generate(
         self,
@@ -209,6 +232,9 @@ class SlotEngine:
                 "tensor-parallel"
             )
         device = w.embed.device
+        triton = self._use_kernels(w.head_dim, device)
+        kernel_attention = triton and "attention" in self.kernel_ops
+        kernel_sampling = triton and "sampling" in self.kernel_ops and params.top_k == 0 and params.top_p == 1.0
         n = params.n
         num_seqs = len(prompts) * n
         max_new = max(limits)
@@ -216,7 +242,8 @@ class SlotEngine:
         slot_len = -(-longest // SLOT_ALIGN) * SLOT_ALIGN
         slots = self._slot_count(w, slot_len, longest, num_seqs, device)
         run = _Run(slots, slot_len, num_seqs, max_new, w, device)
-        self.stats = dict(slots=slots, decode_steps=0, prefills=0, graphs=0)
+        self.stats = dict(slots=slots, decode_steps=0, prefills=0, graphs=0, kernel_attention=int(kernel_attention),
+                          kernel_sampling=int(kernel_sampling))
         use_graphs = self.cuda_graphs and device.type == "cuda"
         compiled = self.compile and device.type == "cuda" and self.tp_group is None
         layer, prefill, inputs, sample = (
@@ -233,8 +260,8 @@ class SlotEngine:
         if params.stop_token_ids:
             stop_mask = torch.zeros(w.embed.shape[0], dtype=torch.bool, device=device)
             stop_mask[list(params.stop_token_ids)] = True
-        sampling = (w.eps, params.temperature, params.top_k, params.top_p, params.min_new_tokens)
-        run.shapes = (slots, slot_len, num_seqs, max_new, stop_mask is None, sampling, w.dtype)
+        sampling = (w.eps, params.temperature, params.top_k, params.top_p, params.min_new_tokens, kernel_sampling)
+        run.shapes = (slots, slot_len, num_seqs, max_new, stop_mask is None, sampling, w.dtype, kernel_attention)
 
         def sample_rows(hidden, residual, rows, advance_positions):
             sample(hidden, residual, rows, w.norm, w.lm_head, run.state, seed, stop_mask, *sampling,
@@ -243,11 +270,12 @@ class SlotEngine:
         def step(batch: int, length: int) -> None:
             st = run.state
             pos = st.pos[:batch]
-            hidden, cos, sin, mask = inputs(st.token[:batch], pos, w.embed, run.cos, run.sin, run.positions[:length])
+            positions = None if kernel_attention else run.positions[:length]
+            hidden, cos, sin, mask = inputs(st.token[:batch], pos, w.embed, run.cos, run.sin, positions)
             residual = torch.zeros_like(hidden)
             for block, k, v in zip(w.layers, run.k, run.v):
                 hidden, residual = layer(hidden, residual, block, k, v, pos, cos, sin, mask, w.eps, w.head_dim,
-                                         reduce)
+                                         reduce, length)
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))
@@ -280,6 +308,15 @@ class SlotEngine:
             response_mask=mask.long(),
             logprobs=run.state.out_logprobs[:num_seqs, :width].masked_fill(~mask, 0.0),
         )
+
+    def _use_kernels(self, head_dim: int, device: torch.device) -> bool:
+        """Whether the decode step runs rollout/kernels.py's Triton kernels (auto: on CUDA where they can)."""
+        if self.decode_kernels == "torch":
+            return False
+        reason = kernels.available(head_dim, device)
+        if reason is not None and self.decode_kernels == "triton":
+            raise ValueError(f"rollout.decode_kernels is 'triton' but the kernels cannot run: {reason}")
+        return reason is None and (device.type == "cuda" or self.decode_kernels == "triton")
 
     def _fn(self, fn: Callable, compiled: bool) -> Callable:
         if not compiled:

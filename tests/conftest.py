@@ -8,8 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Without a GPU, Triton's interpreter runs rollout/kernels.py's kernels on CPU tensors (it must be chosen before the
+# kernels are defined, i.e. before anything imports rollout/). The engine's "auto" attention never picks them on CPU.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def run_env(**extra) -> dict:

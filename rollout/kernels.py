@@ -1,0 +1,361 @@
+"""Triton kernels for the native engine's decode step (rollout/slots.py), with the conditions under which they run.
+
+decode_attention: one new query token per slot against that slot's KV cache, grouped-query heads unfolded (each
+program reads a key/value head once for all the query heads sharing it) and only the live positions 0..pos[b] read,
+split over the positions ("flash decoding") so that a small batch still fills the GPU; a second small kernel merges
+the splits. SDPA, the fallback, needs the query heads folded into a query length and a [B, 1, 1, T] mask, and reads
+the whole context bucket of every slot.
+
+sample_tokens: the next token of every row by Gumbel-max with rollout/sampling.py's counter-based noise, and its
+log-prob, in one pass over the [R, V] logits as they come from the LM head (bfloat16): each program takes a chunk of
+a row's vocabulary and keeps the running max and sum of exponentials (the log-softmax normaliser) and the best noisy
+score with its token; a second small kernel merges the chunks. The PyTorch form of the same draw
+(sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate passes. No
+top-k / top-p: with those the engine keeps the PyTorch form.
+
+The kernels run on CUDA tensors; with TRITON_INTERPRET=1 set before this module is imported they also run, slowly,
+on CPU tensors (the tests check them that way against a plain softmax(q k^T) v). Without Triton, `available()`
+says why and the engine keeps SDPA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # the CPU wheel of torch comes without Triton
+    triton = tl = None
+    _IMPORT_ERROR: str | None = f"triton is not importable ({error})"
+else:
+    _IMPORT_ERROR = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_T = 64  # cached positions per inner tile
+BLOCK_V = 2048  # vocabulary entries per inner tile of sample_tokens
+MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows: the query heads of a group are padded to this
+
+
+def available(head_dim: int, device: torch.device) -> str | None:
+    """None when decode_attention can run for this head size on this device, else why not."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if device.type != "cuda" and not INTERPRETED:
+        return f"the device is {device.type} (the kernels run on CUDA, or anywhere under TRITON_INTERPRET=1)"
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two in 16..256"
+    return None
+
+
+def split_count(batch: int, kv_heads: int, length: int, programs: int) -> int:
+    """Splits of the positions per (slot, key/value head): enough programs for about `programs` (two per SM), each
+    split at least one BLOCK_T tile."""
+    tiles = -(-length // BLOCK_T)
+    wanted = -(-programs // max(batch * kv_heads, 1))
+    return max(1, min(tiles, wanted))
+
+
+def _programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreted: small, but enough to exercise the splits
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_split(
+        Q, K, V, POS, OUT, M_PART, L_PART, ACC_PART,
+        stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_kt,
+        stride_vs, stride_vh, stride_vt,
+        stride_ob, stride_oh,
+        scale, split_len, splits,
+        HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        ONE_SPLIT: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """Program (b, kv head, split): the GROUP query heads of that kv head over positions [split * split_len,
+        min(split * split_len + split_len, pos[b] + 1)) of slot b. One split: writes the normalised output; else the
+        running max, the sum of exponentials and the unnormalised output of its positions. IEEE: float32 products
+        (no TF32); UPCAST: float32 products for 16-bit inputs (the interpreter's tl.dot does not take bfloat16)."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        end_all = tl.load(POS + b) + 1
+        g = tl.arange(0, GROUP_ROWS)
+        d = tl.arange(0, HEAD_DIM)
+        head = kvh * GROUP + g
+        real = g < GROUP
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=real[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m = tl.full([GROUP_ROWS], float("-inf"), dtype=tl.float32)
+        denom = tl.zeros([GROUP_ROWS], dtype=tl.float32)
+        acc = tl.zeros([GROUP_ROWS, HEAD_DIM], dtype=tl.float32)
+        start = split * split_len
+        end = tl.minimum(start + split_len, end_all)
+        k_base = K + b * stride_ks + kvh * stride_kh
+        v_base = V + b * stride_vs + kvh * stride_vh
+        for t0 in range(start, end, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            live = t < end
+            k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=live[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(live[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=live[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        if ONE_SPLIT:
+            out = acc / denom[:, None]
+            tl.store(OUT + b * stride_ob + head[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
+                     mask=real[:, None])
+        else:
+            row = (b * HEADS + head) * splits + split
+            tl.store(M_PART + row, m, mask=real)
+            tl.store(L_PART + row, denom, mask=real)
+            tl.store(ACC_PART + row[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+
+    @triton.jit
+    def _merge_splits(
+        M_PART, L_PART, ACC_PART, OUT, stride_ob, stride_oh, splits,
+        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+    ):
+        """Program (b, head): out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the splits i (M = max m_i;
+        a split past the slot's live length has m = -inf and weighs 0; split 0 always holds position 0)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        i = tl.arange(0, SPLIT_ROWS)
+        d = tl.arange(0, HEAD_DIM)
+        used = i < splits
+        row = (b * HEADS + h) * splits + i
+        m = tl.load(M_PART + row, mask=used, other=float("-inf"))
+        denom = tl.load(L_PART + row, mask=used, other=0.0)
+        acc = tl.load(ACC_PART + row[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
+        weight = tl.where(used, tl.exp(m - tl.max(m, 0)), 0.0)
+        out = tl.sum(acc * weight[:, None], 0) / tl.sum(denom * weight, 0)
+        tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fmix32(x):
+        """MurmurHash3's 32-bit finaliser on uint32 (logical shifts, products modulo 2^32), as sampling._fmix32."""
+        x = x ^ (x >> 16)
+        x = x * 0x85EBCA6B
+        x = x ^ (x >> 13)
+        x = x * 0xC2B2AE35
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _sample_chunk(
+        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART,
+        stride_l, vocab, inv_temperature, chunk_len, chunks,
+        BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr,
+    ):
+        """Program (row, chunk) over tokens [chunk * chunk_len, chunk * chunk_len + chunk_len): x = logits *
+        inv_temperature;
+        keeps max x, sum e^(x - max), and the best x + noise among the tokens not banned, its token and its x."""
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        token = tl.zeros([BLOCK], tl.int32)
+        picked = tl.zeros([BLOCK], tl.float32)
+        if NOISE:
+            key = tl.load(KEYS + r).to(tl.uint32)
+            step = tl.load(STEPS + r).to(tl.uint32)
+            seed = tl.load(SEED).to(tl.uint32)
+            row_hash = _fmix32(_fmix32(seed ^ key) + step * 0x9E3779B9)
+        if BAN:
+            row_banned = tl.load(BANNED_ROWS + r) != 0
+        for v0 in range(c * chunk_len, tl.minimum(c * chunk_len + chunk_len, vocab), BLOCK):
+            v = v0 + tl.arange(0, BLOCK)
+            inside = v < vocab
+            x = tl.load(LOGITS + r * stride_l + v, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, x)
+            # a lane that has seen only -inf (past the vocabulary) rescales by a finite max: e^(-inf - -inf) is NaN
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            total = total * tl.exp(m - shift) + tl.exp(x - shift)
+            m = m_new
+            score = x
+            if NOISE:
+                bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
+                uniform = (((bits >> 9) & 0x7FFFFF).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+                score = x - tl.log(-tl.log(uniform))
+            if BAN:
+                stop = tl.load(STOP + v, mask=inside, other=0) != 0
+                score = tl.where(stop & row_banned, float("-inf"), score)
+            score = tl.where(inside, score, float("-inf"))
+            better = score > best  # strict: the earlier token wins a tie, as argmax
+            best = tl.where(better, score, best)
+            token = tl.where(better, v, token)
+            picked = tl.where(better, x, picked)
+        chunk_max = tl.max(m, 0)
+        chunk_total = tl.sum(total * tl.exp(m - chunk_max), 0)  # every chunk holds tokens: its max is finite
+        chunk_best = tl.max(best, 0)
+        # the lowest token among the lanes holding the chunk's best score
+        lane = tl.min(tl.where(best == chunk_best, token, 2147483647), 0)
+        at = tl.sum(tl.where((best == chunk_best) & (token == lane), picked, 0.0), 0)
+        i = r * chunks + c
+        tl.store(M_PART + i, chunk_max)
+        tl.store(S_PART + i, chunk_total)
+        tl.store(BEST_PART + i, chunk_best)
+        tl.store(TOKEN_PART + i, lane)
+        tl.store(PICKED_PART + i, at)
+
+    @triton.jit
+    def _merge_samples(
+        M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, chunks,
+        CHUNK_ROWS: tl.constexpr,
+    ):
+        """Program (row): the token of the best chunk (the first on a tie) and its x - logsumexp(x)."""
+        r = tl.program_id(0)
+        c = tl.arange(0, CHUNK_ROWS)
+        used = c < chunks
+        i = r * chunks + c
+        m = tl.load(M_PART + i, mask=used, other=float("-inf"))
+        total = tl.load(S_PART + i, mask=used, other=0.0)
+        best = tl.load(BEST_PART + i, mask=used, other=float("-inf"))
+        token = tl.load(TOKEN_PART + i, mask=used, other=2147483647)
+        picked = tl.load(PICKED_PART + i, mask=used, other=0.0)
+        top = tl.max(m, 0)
+        lse = top + tl.log(tl.sum(total * tl.exp(m - top), 0))
+        row_best = tl.max(best, 0)
+        chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
+        at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
+        tl.store(TOKENS + r, chosen.to(tl.int64))
+        tl.store(LOGPROBS + r, at - lse)
+
+
+def sample_chunks(rows: int, vocab: int, programs: int) -> int:
+    """Chunks of each row's vocabulary in sample_tokens: about `programs` programs, each at least one BLOCK_V tile."""
+    return max(1, min(-(-vocab // BLOCK_V), -(-programs // max(rows, 1))))
+
+
+def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,
+                       steps: torch.Tensor, stop_mask: torch.Tensor | None, banned_rows: torch.Tensor | None,
+                       chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """sampling.sample_with_noise without top-k / top-p, in one pass over the logits.
+
+    logits: [R, V] (any float dtype, last dimension contiguous); temperature 0 is greedy (argmax, log-probs at
+    temperature 1). seed: [1] int32, keys, steps: [R] integers, the noise's counters (sampling.gumbel_noise).
+    stop_mask: [V] bool and banned_rows: [R] bool, or both None: stop_mask's tokens may not be picked in the rows
+    banned_rows marks (the stop tokens before min_new_tokens). chunks: 0 picks the count (sample_chunks).
+    Returns (tokens [R] long, logprobs [R] float32)."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, vocab = logits.shape
+    if chunks <= 0:
+        chunks = sample_chunks(rows, vocab, _programs(logits.device))
+    chunk = _ceil_div(_ceil_div(vocab, chunks), BLOCK_V) * BLOCK_V
+    chunks = -(-vocab // chunk)
+    device = logits.device
+    parts = [torch.empty(rows * chunks, dtype=torch.float32, device=device) for _ in range(4)]
+    token_part = torch.empty(rows * chunks, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, dtype=torch.long, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    ban = stop_mask is not None
+    stop = stop_mask if ban else tokens  # unused without BAN
+    banned = banned_rows if ban else tokens
+    _sample_chunk[(rows, chunks)](
+        logits, seed, keys, steps, stop, banned, parts[0], parts[1], parts[2], token_part, parts[3],
+        logits.stride(0), vocab, 1.0 / temperature if temperature > 0 else 1.0, chunk, chunks,
+        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban,
+    )
+    _merge_samples[(rows,)](parts[0], parts[1], parts[2], token_part, parts[3], tokens, logprobs, chunks,
+                            CHUNK_ROWS=_next_power_of_two(chunks))
+    return tokens, logprobs
+
+
+@torch.library.custom_op("meshrl::sample_tokens", mutates_args=())
+def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,
+                  steps: torch.Tensor, stop_mask: torch.Tensor | None,
+                  banned_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_tokens_impl as an operator torch.compile keeps whole."""
+    return sample_tokens_impl(logits, temperature, seed, keys, steps, stop_mask, banned_rows)
+
+
+@sample_tokens.register_fake
+def _(logits, temperature, seed, keys, steps, stop_mask, banned_rows):
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                          length: int, splits: int = 0) -> torch.Tensor:
+    """q: [B, H, D], the new token's queries of the first B slots; k_cache, v_cache: [S, KVH, T_max, D] (S >= B,
+    T_max >= length, the last dimension contiguous), this block's cache with the new keys/values already written at
+    pos; pos: [B] long, each slot's new position (< length). Softmax attention of q[b] over positions 0..pos[b] of
+    slot b, scale 1/sqrt(D), query head h reading key/value head h // (H / KVH). splits: 0 picks the count
+    (split_count). Returns [B, H, D] in q's dtype."""
+    q = q.contiguous()
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if splits <= 0:
+        splits = split_count(batch, kv_heads, length, _programs(q.device))
+    split_len = _ceil_div(_ceil_div(length, splits), BLOCK_T) * BLOCK_T  # positions per split, whole tiles
+    splits = -(-length // split_len)
+    out = torch.empty_like(q)
+    ieee = q.dtype == torch.float32
+    if splits == 1:
+        m_part = l_part = acc_part = out  # unused by the kernel
+    else:
+        m_part = torch.empty(batch * heads * splits, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(batch * heads * splits, head_dim, dtype=torch.float32, device=q.device)
+    _attend_split[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, pos, out, m_part, l_part, acc_part,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        head_dim ** -0.5, split_len, splits,
+        HEADS=heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, _next_power_of_two(group)), HEAD_DIM=head_dim,
+        ONE_SPLIT=splits == 1, BLOCK=BLOCK_T, IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED,
+    )
+    if splits > 1:
+        _merge_splits[(batch, heads)](
+            m_part, l_part, acc_part, out, out.stride(0), out.stride(1), splits,
+            HEADS=heads, HEAD_DIM=head_dim, SPLIT_ROWS=_next_power_of_two(splits),
+        )
+    return out
+
+
+@torch.library.custom_op("meshrl::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     length: int) -> torch.Tensor:
+    """decode_attention_impl as an operator torch.compile keeps whole (its graphs call the kernels as they are)."""
+    return decode_attention_impl(q, k_cache, v_cache, pos, length)
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, pos, length):
+    return torch.empty_like(q)
