@@ -105,6 +105,7 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         low, high = args.spread
         limits = torch.randint(low, high + 1, (args.prompts,), generator=gen).tolist()
     for variant in args.kernels:
+        torch._dynamo.reset()  # each variant's compiled pieces are new code: no recompile limit across variants
         decode_kernels, ops = KERNEL_VARIANTS[variant]
         engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
                               fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops)
