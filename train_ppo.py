@@ -140,7 +140,8 @@ class PPOTrainer:
         self.critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.critic, self.pools["critic"], device,
                              self.total_steps, trust, cfg.comm) if self.use_critic and hosts("critic") else None
         self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
-                                   cfg.actor.micro_batch_tokens, trust) if self.use_ref and hosts("reference") else None
+                                   cfg.actor.micro_batch_tokens, trust, cfg.actor.pack_sequences
+                                   ) if self.use_ref and hosts("reference") else None
         self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
                              trust) if "reward" in self.pools and hosts("reward") else None
 

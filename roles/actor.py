@@ -74,7 +74,9 @@ class Actor:
         """[B, R] log-probs of the response tokens under the current weights (teacher-forced)."""
         self.model.eval()
         micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group)
-        out = [logprobs_from_logits(response_logits(self.model, mb), mb["response_ids"], temperature) for mb in micro]
+        pack = self.cfg.pack_sequences
+        out = [logprobs_from_logits(response_logits(self.model, mb, pack), mb["response_ids"], temperature)
+               for mb in micro]
         return join_rows(out, micro, batch)
 
     def current_lr(self) -> float:
@@ -96,8 +98,8 @@ class Actor:
 
         def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
             # one pass over the [b, R, V] logits gives both; the entropy's gradient only with a bonus
-            logp, token_entropy = logprobs_and_entropy(response_logits(self.model, mb), mb["response_ids"],
-                                                       temperature)
+            logp, token_entropy = logprobs_and_entropy(response_logits(self.model, mb, cfg.pack_sequences),
+                                                       mb["response_ids"], temperature)
             m = mb["response_mask"]
             norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
             pg, parts = policy_loss(

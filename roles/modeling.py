@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -94,16 +95,113 @@ def _takes_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+PACKABLE_MODEL_TYPES = ("llama", "qwen2")  # HF models whose mask follows packed position_ids (tests/test_modeling.py)
+PACK_ROW_FACTOR = 2  # a packed row holds up to this many times the micro-batch's padded width
+PACK_MIN_SAVING = 0.1  # pack only when the packed rows hold at least this share fewer tokens than the padded batch
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per row, the lengths of a row summing to at most `capacity` (a longer
+    sample is a row by itself)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows
+
+
+class PackedRows(NamedTuple):
+    """A micro-batch's samples laid end to end in shared rows (see packed_rows)."""
+
+    source: torch.Tensor  # [rows, C] long: index into input_ids.view(-1) of each packed token, -1 for padding
+    position_ids: torch.Tensor  # [rows, C] long: 0.. within each sample (and within the row's padding)
+    gather: torch.Tensor  # [B * R] long: index into the [rows * C] packed positions predicting each response token
+
+
+def packed_rows(batch: Batch) -> PackedRows | None:
+    """The micro-batch's samples packed into rows of up to PACK_ROW_FACTOR x its width (pack_rows), or None when
+    that saves less than PACK_MIN_SAVING of its padded tokens (e.g. every sample as long as the longest). Each
+    sample keeps positions 0..len-1; a row's padding at its end is a sequence of its own. Host only (lengths_host)."""
+    host = batch["lengths_host"]
+    prompt, full = host[:, 0].tolist(), host[:, 1].tolist()
+    b, width = batch["input_ids"].shape
+    if b < 2:
+        return None
+    rows = pack_rows(full, PACK_ROW_FACTOR * width)
+    cap = _round_up(max(sum(full[i] for i in row) for row in rows), WIDTH_MULTIPLE)
+    if len(rows) * cap > (1 - PACK_MIN_SAVING) * b * width:
+        return None
+    source = torch.full((len(rows), cap), -1, dtype=torch.long)
+    position_ids = torch.empty((len(rows), cap), dtype=torch.long)
+    start = [0] * b  # flat packed index of each sample's first token
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            source[r, offset:offset + full[i]] = i * width + torch.arange(full[i])
+            position_ids[r, offset:offset + full[i]] = torch.arange(full[i])
+            start[i] = r * cap + offset
+            offset += full[i]
+        position_ids[r, offset:] = torch.arange(cap - offset)
+    r_width = batch["response_mask"].shape[1]
+    t = torch.arange(r_width)[None, :]
+    last = torch.tensor([max(f - p - 1, 0) for p, f in zip(prompt, full)])[:, None]
+    # the position before each response token; past a response's end, its last one (masked out by the caller)
+    gather = torch.tensor(start)[:, None] + torch.tensor(prompt)[:, None] - 1 + torch.minimum(t, last)
+    return PackedRows(source, position_ids, gather.reshape(-1))
+
+
+def packable(model: nn.Module) -> bool:
+    """Whether response_logits may pack this model's micro-batches: an HF Llama/Qwen2 layout (model.model.norm)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in PACKABLE_MODEL_TYPES and hasattr(getattr(model, "model", None),
+                                                                                       "norm")
+
+
+def _packed_logits(model: nn.Module, batch: Batch, packed: PackedRows) -> torch.Tensor:
+    """Logits [B, R, V] from one forward over the packed rows. HF builds the block-causal mask from the position ids
+    (no attention_mask: a new sequence starts wherever the position does not grow by one); a forward hook on the
+    final norm keeps only the positions in packed.gather, so the LM head sees B x R rows and no prompt position."""
+    ids = batch["input_ids"]
+    device = ids.device
+    source = packed.source.to(device)
+    packed_ids = torch.where(source >= 0, ids.reshape(-1)[source.clamp(min=0)], 0)
+    gather = packed.gather.to(device)
+
+    def keep(module, args, output):
+        return output.reshape(-1, output.shape[-1])[gather][None]
+
+    handle = model.model.norm.register_forward_hook(keep)
+    try:
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            logits = model(input_ids=packed_ids, position_ids=packed.position_ids.to(device), use_cache=False).logits
+    finally:
+        handle.remove()
+    return logits.view(ids.shape[0], batch["response_mask"].shape[1], -1)
+
+
+def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch.Tensor:
     """A causal LM's logits [B, R, V] at the positions predicting each response token.
 
     Only the positions from the shortest prompt's last token on reach the LM head (HF's `logits_to_keep`): the
     [B, L, V] logits of the prompts, a third of the tokens at 128 + 256, are never computed, nor their gradient.
+    pack: when the samples' lengths differ enough (packed_rows), lay them end to end in shared rows instead of
+    padding each to the longest: no compute on most of the padding, and only response positions reach the LM head.
     Needs the micro-batch's host copy of the lengths (micro_batches adds it); models without `logits_to_keep`
     (remote code) project every position."""
     width = batch["input_ids"].shape[1]
     if "lengths_host" not in batch or not _takes_logits_to_keep(model):
         return at_response(forward(model, batch), batch)
+    if pack and packable(model):
+        packed = packed_rows(batch)
+        if packed is not None:
+            return _packed_logits(model, batch, packed)
     prompts = batch["lengths_host"][:, 0]
     shortest = int(prompts.min())
     keep = width - shortest + 1

@@ -13,9 +13,9 @@ from roles.modeling import join_rows, load_causal_lm, micro_batches, response_lo
 
 class Reference:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, micro_batch_tokens: int,
-                 trust_remote_code: bool = False):
-        """cfg: config.ReferenceConfig."""
-        self.pool, self.micro_batch_tokens = pool, micro_batch_tokens
+                 trust_remote_code: bool = False, pack_sequences: bool = False):
+        """cfg: config.ReferenceConfig; micro_batch_tokens and pack_sequences: the actor's (roles.modeling)."""
+        self.pool, self.micro_batch_tokens, self.pack_sequences = pool, micro_batch_tokens, pack_sequences
         model = load_causal_lm(path, trust_remote_code).to(device).eval().requires_grad_(False)
         self.model = shard_model(model, pool, cfg.fsdp, train=False)
 
@@ -25,5 +25,6 @@ class Reference:
         out = []
         micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group)
         for mb in micro:
-            out.append(logprobs_from_logits(response_logits(self.model, mb), mb["response_ids"], temperature))
+            out.append(logprobs_from_logits(response_logits(self.model, mb, self.pack_sequences), mb["response_ids"],
+                                            temperature))
         return join_rows(out, micro, batch)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from algo.losses import logprobs_from_logits
 from batch import batch_size
@@ -21,6 +21,8 @@ from roles.modeling import (
     join_rows,
     length_groups,
     micro_batches,
+    pack_rows,
+    packed_rows,
     response_logits,
 )
 
@@ -191,3 +193,77 @@ def test_a_non_finite_gradient_norm_leaves_the_gradients_alone():
     norm = grad_norm_and_clip(model, 1.0)
     assert not torch.isfinite(norm)
     assert float(model.model.norm.weight.grad[0]) == 1.0
+
+
+def test_pack_rows_first_fit_decreasing():
+    # by hand, capacity 8, longest first: 5 -> row 0 (3 left); 4 -> row 1 (4 left); 3 -> row 0 (0 left);
+    # 3 -> row 1 (1 left); 2 fits nowhere -> row 2; a sample longer than the capacity is a row by itself
+    assert pack_rows([5, 4, 3, 3, 2], 8) == [[0, 2], [1, 3], [4]]
+    assert pack_rows([9, 1], 8) == [[0], [1]]
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(1, 30) for _ in range(rng.randint(1, 12))]
+        rows = pack_rows(lengths, 40)
+        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in r) <= 40 for r in rows)
+
+
+def test_packed_rows_keep_each_sample_whole_and_point_at_its_response():
+    prompts, responses = [3, 9, 2, 5, 4, 6, 4, 6], [12, 2, 15, 7, 1, 9, 12, 30]
+    (mb,) = micro_batches(random_batch(prompts, responses, seed=3), token_budget=10_000, group=None)
+    packed = packed_rows(mb)
+    assert packed is not None
+    rows, cap = packed.source.shape
+    assert rows * cap <= 0.9 * mb["input_ids"].numel()
+    flat_ids = mb["input_ids"].reshape(-1)
+    packed_ids = torch.where(packed.source >= 0, flat_ids[packed.source.clamp(min=0)], -1).reshape(-1)
+    positions = packed.position_ids.reshape(-1)
+    gather = packed.gather.view(len(prompts), -1)
+    width = mb["input_ids"].shape[1]
+    order = mb["row_index"].tolist()
+    for j, i in enumerate(order):
+        start = int(gather[j, 0]) - (prompts[i] - 1)
+        full = prompts[i] + responses[i]
+        # the sample's tokens in order at positions 0..full-1, then something else (the next sample or padding)
+        assert packed_ids[start:start + full].tolist() == flat_ids[j * width:j * width + full].tolist()
+        assert positions[start:start + full].tolist() == list(range(full))
+        assert start + full == len(positions) or positions[start + full] == 0
+        # each gathered position is followed by the response token it predicts
+        for t in range(responses[i]):
+            assert packed_ids[int(gather[j, t]) + 1] == mb["response_ids"][j, t]
+    # equal lengths: nothing to save, the padded forward stays
+    (even,) = micro_batches(random_batch([4] * 4, [12] * 4), token_budget=10_000, group=None)
+    assert packed_rows(even) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_packed_micro_batches_give_the_loss_and_gradients_of_the_padded_ones(family):
+    """Packed rows (block-causal attention from the position ids, logits only at response positions) against the
+    padded forward of the same micro-batch: equal log-probs, loss and gradients, and the LM head sees B x R rows."""
+    prompts, responses = [3, 9, 2, 5, 4, 6, 4, 6], [12, 2, 15, 7, 1, 9, 12, 30]
+    batch = random_batch(prompts, responses, seed=5)
+    (mb,) = micro_batches(batch, token_budget=10_000, group=None)
+    results = []
+    for pack in (False, True):
+        model = tiny_lm(seed=2) if family == "qwen2" else tiny_llama(seed=2)
+        head_rows = []
+        model.lm_head.register_forward_hook(lambda m, i, o, seen=head_rows: seen.append(i[0].shape[:2]))
+        logp = logprobs_from_logits(response_logits(model, mb, pack=pack), mb["response_ids"])
+        m = mb["response_mask"]
+        loss = -(logp * mb["advantages"] * m).sum() / m.sum()
+        loss.backward()
+        results.append((logp.detach() * m, loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        if pack:
+            assert head_rows == [(1, len(prompts) * m.shape[1])]
+    (logp_a, loss_a, grads_a), (logp_b, loss_b, grads_b) = results
+    torch.testing.assert_close(logp_b, logp_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-7)
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
