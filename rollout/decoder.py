@@ -252,7 +252,7 @@ def decode_layer(
     k_cache, v_cache: [S, kv_heads, T_max, D], this block's cache; the new key/value of slot b is written at pos[b].
     pos: [B] long. cos, sin: [B, D]. mask: [B, 1, 1, T] bool, True on the cached positions slot b may attend to
     (T <= T_max: SDPA reads only the first T positions of each slot); None: attention by rollout/kernels.py's
-    decode_attention, which reads positions 0..pos[b] of slot b (length: the T it may assume, pos < length).
+    decode_attention, which reads positions 0..pos[b] of slot b (length: the context bucket, required then).
     Returns (block output, residual), [B, hidden] each.
     """
     residual = hidden + residual

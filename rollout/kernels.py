@@ -47,6 +47,8 @@ def available(head_dim: int, device: torch.device) -> str | None:
         return f"the device is {device.type} (the kernels run on CUDA, or anywhere under TRITON_INTERPRET=1)"
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two in 16..256"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return f"compute capability {torch.cuda.get_device_capability(device)} < (8, 0) (bfloat16 tensor-core dots)"
     return None
 
 
@@ -61,7 +63,7 @@ def split_count(batch: int, kv_heads: int, length: int, programs: int) -> int:
 def _programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # interpreted: small, but enough to exercise the splits
+    return 64  # interpreted: enough programs that small test batches are split
 
 
 if triton is not None:
@@ -81,7 +83,7 @@ if triton is not None:
         min(split * split_len + split_len, pos[b] + 1)) of slot b. One split: writes the normalised output; else the
         running max, the sum of exponentials and the unnormalised output of its positions. IEEE: float32 products
         (no TF32); UPCAST: float32 products for 16-bit inputs (the interpreter's tl.dot does not take bfloat16)."""
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2^31 elements
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         end_all = tl.load(POS + b) + 1
@@ -176,6 +178,7 @@ if triton is not None:
         keeps max x, sum e^(x - max), and the best x + noise among the tokens not banned, its token and its x."""
         r = tl.program_id(0)
         c = tl.program_id(1)
+        row_logits = LOGITS + r.to(tl.int64) * stride_l  # 64-bit: rows x vocab may pass 2^31
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -191,7 +194,7 @@ if triton is not None:
         for v0 in range(c * chunk_len, tl.minimum(c * chunk_len + chunk_len, vocab), BLOCK):
             v = v0 + tl.arange(0, BLOCK)
             inside = v < vocab
-            x = tl.load(LOGITS + r * stride_l + v, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
+            x = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
             m_new = tl.maximum(m, x)
             # a lane that has seen only -inf (past the vocabulary) rescales by a finite max: e^(-inf - -inf) is NaN
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -211,7 +214,8 @@ if triton is not None:
             token = tl.where(better, v, token)
             picked = tl.where(better, x, picked)
         chunk_max = tl.max(m, 0)
-        chunk_total = tl.sum(total * tl.exp(m - chunk_max), 0)  # every chunk holds tokens: its max is finite
+        chunk_shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)  # a chunk of -inf logits only
+        chunk_total = tl.sum(total * tl.exp(m - chunk_shift), 0)
         chunk_best = tl.max(best, 0)
         # the lowest token among the lanes holding the chunk's best score
         lane = tl.min(tl.where(best == chunk_best, token, 2147483647), 0)
@@ -312,9 +316,13 @@ def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           length: int, splits: int = 0) -> torch.Tensor:
     """q: [B, H, D], the new token's queries of the first B slots; k_cache, v_cache: [S, KVH, T_max, D] (S >= B,
     T_max >= length, the last dimension contiguous), this block's cache with the new keys/values already written at
-    pos; pos: [B] long, each slot's new position (< length). Softmax attention of q[b] over positions 0..pos[b] of
-    slot b, scale 1/sqrt(D), query head h reading key/value head h // (H / KVH). splits: 0 picks the count
-    (split_count). Returns [B, H, D] in q's dtype."""
+    pos; pos: [B] long, each slot's new position (< T_max). Softmax attention of q[b] over positions 0..pos[b] of
+    slot b, scale 1/sqrt(D), query head h reading key/value head h // (H / KVH). length (>= 1) sizes the splits:
+    positions from length rounded up to whole splits on are never read, so a slot with pos >= length (a finished
+    one still in the decode batch, whose output is unused) gets attention over a prefix only. splits: 0 picks the
+    count (split_count). Returns [B, H, D] in q's dtype."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1 (the context the attention may read), got {length}")
     q = q.contiguous()
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]

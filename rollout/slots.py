@@ -234,7 +234,9 @@ class SlotEngine:
         device = w.embed.device
         triton = self._use_kernels(w.head_dim, device)
         kernel_attention = triton and "attention" in self.kernel_ops
-        kernel_sampling = triton and "sampling" in self.kernel_ops and params.top_k == 0 and params.top_p == 1.0
+        # the kernel has no top-k / top-p, which greedy decoding ignores anyway
+        kernel_sampling = triton and "sampling" in self.kernel_ops and (
+            params.temperature == 0 or (params.top_k == 0 and params.top_p == 1.0))
         n = params.n
         num_seqs = len(prompts) * n
         max_new = max(limits)

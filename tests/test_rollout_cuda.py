@@ -54,3 +54,21 @@ def test_graphs_and_eager_draw_the_same_samples(model):
     eager = NativeEngine(model, PAD, cuda_graphs=False, compile=False).generate(PROMPTS, params, seed())
     assert torch.equal(fast.response_ids, eager.response_ids)
     torch.testing.assert_close(fast.logprobs, eager.logprobs, atol=1e-4, rtol=0)
+
+
+def test_graphs_and_compile_decode_through_the_kernels_as_through_torch():
+    """The default GPU path (torch.compile, CUDA graphs) with rollout/kernels.py's Triton kernels against the PyTorch
+    ones: a head_dim-16 model (the tiny models above have 8, which the kernels refuse), 40 sequences in 12 slots,
+    temperature 1.1, stop tokens before min_new_tokens banned: the same tokens, log-probs within float32 rounding."""
+    from test_rollout_kernels import head16_model
+
+    model = head16_model()
+    prompts = [[5 + i % 40, 6, 7, 8 + i % 3][: 2 + i % 3] for i in range(20)]
+    params = SamplingParams(max_new_tokens=30, temperature=1.1, n=2, stop_token_ids=(11,), min_new_tokens=3)
+    outs = {}
+    for kernels_ in ("triton", "torch"):
+        engine = NativeEngine(model, PAD, max_num_seqs=12, decode_kernels=kernels_)
+        outs[kernels_] = engine.generate(prompts, params, torch.Generator("cuda").manual_seed(4))
+        assert engine.stats["kernel_attention"] == (kernels_ == "triton") and engine.stats["graphs"] >= 1
+    assert torch.equal(outs["triton"].response_ids, outs["torch"].response_ids)
+    torch.testing.assert_close(outs["triton"].logprobs, outs["torch"].logprobs, atol=1e-5, rtol=0)

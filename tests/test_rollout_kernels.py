@@ -86,31 +86,47 @@ def test_available_says_why_not():
     assert "power of two" in kernels.available(8, torch.device(DEVICE))
 
 
-def head16_model() -> torch.nn.Module:
-    """A tiny Qwen2 with head_dim 16 (the kernel's smallest), two query heads per key/value head."""
+def head16_model(layers: int = 2, kv_heads: int = 2) -> torch.nn.Module:
+    """A tiny Qwen2 with head_dim 16 (the kernel's smallest) and 4 query heads."""
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256)
     return AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
 
 
-def test_engine_decodes_through_the_kernel_as_through_sdpa():
-    """Greedy and sampled decoding, 10 sequences in 4 slots (slot reuse, then compaction into a smaller bucket),
-    stop tokens: the same tokens and log-probs with decode_kernels="triton" as with "torch"."""
-    model = head16_model()
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30, 31]]
-    for params in (SamplingParams(max_new_tokens=12, temperature=0, n=2, stop_token_ids=(11,), min_new_tokens=1),
-                   SamplingParams(max_new_tokens=9, temperature=1.0, n=2)):
-        outs = {}
-        for kernels_ in ("triton", "torch"):
-            engine = NativeEngine(model, 0, max_num_seqs=4, decode_kernels=kernels_, compile=False)
-            gen = torch.Generator(DEVICE).manual_seed(3)
-            outs[kernels_] = engine.generate(prompts, params, gen, max_new_tokens=[12, 3, 9, 7, 2]
-                                              if params.temperature == 0 else None)
-            assert engine.stats["kernel_attention"] == engine.stats["kernel_sampling"] == (kernels_ == "triton")
-            assert engine.stats["decode_steps"] > 0
-        assert torch.equal(outs["triton"].response_ids, outs["torch"].response_ids)
-        torch.testing.assert_close(outs["triton"].logprobs, outs["torch"].logprobs, atol=1e-5, rtol=0)
+def decode_both(model, prompts, params, limits=None, slots=12):
+    """(outputs, stats) of the engine with decode_kernels "triton" and "torch", the same seed."""
+    outs, stats = {}, {}
+    for kernels_ in ("triton", "torch"):
+        engine = NativeEngine(model, 0, max_num_seqs=slots, decode_kernels=kernels_, compile=False)
+        outs[kernels_] = engine.generate(prompts, params, torch.Generator(DEVICE).manual_seed(3), max_new_tokens=limits)
+        stats[kernels_] = dict(engine.stats)
+    assert stats["triton"]["kernel_attention"] == stats["triton"]["kernel_sampling"] == 1
+    assert stats["torch"]["kernel_attention"] == stats["torch"]["kernel_sampling"] == 0
+    assert torch.equal(outs["triton"].response_ids, outs["torch"].response_ids)
+    torch.testing.assert_close(outs["triton"].logprobs, outs["torch"].logprobs, atol=1e-5, rtol=0)
+    return outs["torch"], stats["torch"]
+
+
+def test_engine_decodes_through_the_kernels_as_through_torch():
+    """12 sequences in 12 slots, sampled at temperature 1.1: the same tokens and log-probs with
+    decode_kernels="triton" as with "torch", over what the engine does to the kernels: a 130-token prompt that stops
+    after 4 tokens, whose freed slot stays in the batch while the others need only the 128-position context bucket
+    (its pos is past `length`); three stopping at 20, after which the eight live slots move into the 8-slot bucket;
+    2-3 attention splits. Then stop tokens, banned before min_new_tokens, in a short run."""
+    model = head16_model(layers=1, kv_heads=1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (130,), generator=gen).tolist()] + [[5 + i, 6, 7] for i in range(11)]
+    out, stats = decode_both(model, prompts, SamplingParams(max_new_tokens=40, temperature=1.1),
+                             limits=[4] + [40] * 8 + [20] * 3)
+    assert out.response_mask.sum(1).tolist() == [4] + [40] * 8 + [20] * 3
+    assert stats["decode_steps"] == 39  # 16 + 16 (no compaction: 11 live need the 12-slot bucket) + 7 in 8 slots
+    out, _ = decode_both(model, prompts[1:], SamplingParams(max_new_tokens=12, temperature=1.1,
+                                                            stop_token_ids=(11, 12, 13), min_new_tokens=3))
+    lengths = out.response_mask.sum(1)
+    ends = out.response_ids[torch.arange(len(lengths)), lengths - 1]
+    stopped = (lengths < 12) & torch.isin(ends, torch.tensor([11, 12, 13], device=ends.device))
+    assert bool(stopped.any()) and bool((lengths[stopped] >= 3).all())
 
 
 def test_engine_refuses_an_unknown_or_impossible_attention():
@@ -179,3 +195,39 @@ def test_triton_kernels_config_mistakes(overrides, needle):
     assert needle in str(err.value)
     C.check_ppo(C.load_config(None, ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]",
                                      "rollout.decode_kernels=torch", *overrides]), 1)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_greedy_ties_pick_the_first_token_as_argmax(chunks):
+    """Equal best logits inside a tile, across tiles and across chunks, and a row of equal logits: the lowest token
+    id wins, as torch.argmax."""
+    vocab = 5000
+    logits = torch.zeros(4, vocab)
+    logits[0, [2047, 2049]] = 5.0
+    logits[1, [100, 4000]] = 5.0
+    logits[2, [2048, 4999]] = 5.0
+    tokens, logprobs = kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, torch.zeros(1, dtype=torch.int32),
+                                                  torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                                                  None, None, chunks)
+    assert tokens.tolist() == [2047, 100, 2048, 0]
+    torch.testing.assert_close(logprobs.cpu(), logits.log_softmax(-1)[torch.arange(4), tokens.cpu()])
+
+
+def test_the_operators_pass_opcheck():
+    """Schemas, fake (meta) implementations and autograd registration as torch.compile sees them."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 16, generator=gen)
+    k, v = torch.randn(4, 2, 80, 16, generator=gen), torch.randn(4, 2, 80, 16, generator=gen)
+    pos = torch.tensor([0, 40, 79])
+    torch.library.opcheck(kernels.decode_attention, (*(t.to(DEVICE) for t in (q, k, v, pos)), 80))
+    logits = torch.randn(3, 300, generator=gen).to(DEVICE)
+    seed, keys = torch.tensor([7], dtype=torch.int32).to(DEVICE), torch.arange(3).to(DEVICE)
+    stop, banned = torch.zeros(300, dtype=torch.bool).to(DEVICE), torch.tensor([True, False, True]).to(DEVICE)
+    torch.library.opcheck(kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned))
+    torch.library.opcheck(kernels.sample_tokens, (logits, 0.0, seed, keys, keys, None, None))
+
+
+def test_decode_attention_needs_a_context_length():
+    q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="length must be >= 1"):
+        kernels.decode_attention_impl(q, k, k, torch.zeros(1, dtype=torch.long), 0)
