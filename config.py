@@ -240,6 +240,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 0
     micro_batch_tokens: int = 8192
+    pack_sequences: bool = True  # as actor.pack_sequences
     value_clip: float = 0.2
 
 

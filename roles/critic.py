@@ -12,13 +12,12 @@ from parallel.layout import Pool
 from roles.modeling import (
     ReplicaSync,
     UpdateMetrics,
-    at_response,
-    forward,
     join_rows,
     load_value_model,
     lr_factor,
     make_optimizer,
     micro_batches,
+    response_values,
     train_mini_batches,
 )
 
@@ -36,7 +35,7 @@ class Critic:
         self.step_count = 0
 
     def _values(self, mb: Batch) -> torch.Tensor:
-        return at_response(forward(self.model, mb).squeeze(-1), mb).float()
+        return response_values(self.model, mb, self.cfg.pack_sequences)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

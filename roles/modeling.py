@@ -164,10 +164,11 @@ def packable(model: nn.Module) -> bool:
                                                                                        "norm")
 
 
-def _packed_logits(model: nn.Module, batch: Batch, packed: PackedRows) -> torch.Tensor:
-    """Logits [B, R, V] from one forward over the packed rows. HF builds the block-causal mask from the position ids
-    (no attention_mask: a new sequence starts wherever the position does not grow by one); a forward hook on the
-    final norm keeps only the positions in packed.gather, so the LM head sees B x R rows and no prompt position."""
+def _packed_outputs(model: nn.Module, batch: Batch, packed: PackedRows) -> torch.Tensor:
+    """The model's per-position outputs (logits, values) [B, R, ...] from one forward over the packed rows. HF builds
+    the block-causal mask from the position ids (no attention_mask: a new sequence starts wherever the position does
+    not grow by one); a forward hook on the final norm keeps only the positions in packed.gather, so the head (LM
+    head, value head) sees B x R rows and no prompt position."""
     ids = batch["input_ids"]
     device = ids.device
     source = packed.source.to(device)
@@ -201,7 +202,7 @@ def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch
     if pack and packable(model):
         packed = packed_rows(batch)
         if packed is not None:
-            return _packed_logits(model, batch, packed)
+            return _packed_outputs(model, batch, packed)
     prompts = batch["lengths_host"][:, 0]
     shortest = int(prompts.min())
     keep = width - shortest + 1
@@ -213,6 +214,16 @@ def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch
         return logits[:, :r]  # every prompt equally long: a view, no gather
     idx = (response_index(batch, width) - (width - keep)).clamp(min=0)
     return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+
+
+def response_values(model: nn.Module, batch: Batch, pack: bool = False) -> torch.Tensor:
+    """A value model's outputs [B, R] (float32) at the positions predicting each response token (the state before
+    it); pack as in response_logits."""
+    if pack and "lengths_host" in batch and packable(model):
+        packed = packed_rows(batch)
+        if packed is not None:
+            return _packed_outputs(model, batch, packed).squeeze(-1).float()
+    return at_response(forward(model, batch).squeeze(-1), batch).float()
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -24,6 +24,7 @@ from roles.modeling import (
     pack_rows,
     packed_rows,
     response_logits,
+    response_values,
 )
 
 
@@ -267,3 +268,26 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def test_packed_values_give_the_values_and_gradients_of_the_padded_ones():
+    """The critic's path: a token-classification value head read at the response positions, packed against padded."""
+    from transformers import AutoModelForTokenClassification
+
+    prompts, responses = [3, 9, 2, 5, 4, 6, 4, 6], [12, 2, 15, 7, 1, 9, 12, 30]
+    (mb,) = micro_batches(random_batch(prompts, responses, seed=6), token_budget=10_000, group=None)
+    assert packed_rows(mb) is not None
+    results = []
+    for pack in (False, True):
+        torch.manual_seed(3)
+        config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1)
+        model = AutoModelForTokenClassification.from_config(config, attn_implementation="sdpa").eval()
+        values = response_values(model, mb, pack=pack)
+        m = mb["response_mask"]
+        ((values - mb["advantages"]).pow(2) * m).sum().backward()
+        results.append((values.detach() * m, {n: p.grad for n, p in model.named_parameters()}))
+    (v_a, g_a), (v_b, g_b) = results
+    torch.testing.assert_close(v_b, v_a, rtol=1e-5, atol=1e-6)
+    for name, g in g_a.items():
+        torch.testing.assert_close(g_b[name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -114,25 +114,27 @@ def main() -> None:
             assert logged_one["data/dropped_groups"] == 0 and logged_one["reward/score/max"] == 1.0
             say(f"PASS same metrics {estimator} ({len(keys)} keys)")
 
-    # packed micro-batches (roles/modeling.packed_rows) under FSDP2: the whole batch in one micro-batch, packed on 1
-    # and on 2 ranks, and padded on 1 rank, log the same values
-    base = ["algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.2",
-            "actor.fsdp.param_dtype=float32", "actor.optim.lr=1e-2", "actor.entropy_coef=0.01",
-            "actor.micro_batch_tokens=4096"]
+    # packed micro-batches (roles/modeling.packed_rows) of the actor and the critic under FSDP2: the whole batch in
+    # one micro-batch, packed on 1 and on 2 ranks, and padded on 1 rank, log the same values
+    base = ["algorithm.adv_estimator=gae", "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.2",
+            "actor.fsdp.param_dtype=float32", "critic.fsdp.param_dtype=float32", "actor.optim.lr=1e-2",
+            "critic.optim.lr=1e-2", "actor.entropy_coef=0.01", "actor.micro_batch_tokens=4096",
+            "critic.micro_batch_tokens=4096"]
     (mine,) = micro_batches(dict(halves[rank]), 4096, None)
     assert packed_rows(mine) is not None, "the test batch must be one that packs"
     padded, packed = {}, {}
     if rank == 0:
         (whole,) = micro_batches(dict(full), 4096, None)
         assert packed_rows(whole) is not None
-        padded, _ = run(C.load_config(None, [*base, "actor.pack_sequences=false"]), solo.pools[0], model_path,
-                        dict(full), False)
-        packed, _ = run(C.load_config(None, base), solo.pools[0], model_path, dict(full), False)
-    two, _ = run(C.load_config(None, base), pair.pools[0], model_path, dict(halves[rank]), False)
+        unpacked = [*base, "actor.pack_sequences=false", "critic.pack_sequences=false"]
+        padded, _ = run(C.load_config(None, unpacked), solo.pools[0], model_path, dict(full), True)
+        packed, _ = run(C.load_config(None, base), solo.pools[0], model_path, dict(full), True)
+    two, _ = run(C.load_config(None, base), pair.pools[0], model_path, dict(halves[rank]), True)
     logged_padded, logged_packed, logged_two = gather_metrics(padded), gather_metrics(packed), gather_metrics(two)
     if rank == 0:
-        keys = [k for k in logged_padded if k != "actor/lr"]
-        assert {"actor/pg_loss", "actor/entropy", "actor/grad_norm"} <= set(keys), keys
+        keys = [k for k in logged_padded if k not in ("actor/lr", "critic/lr")]
+        assert {"actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"} <= set(keys), \
+            keys
         for key in keys:
             close(logged_padded[key], logged_packed[key], f"packed vs padded {key}")
             close(logged_packed[key], logged_two[key], f"packed {key}")
