@@ -9,11 +9,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from algo.losses import logprobs_from_logits
 from config import FSDPConfig, PoolConfig
 from parallel.distributed import init_distributed
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from parallel.transfer import transfer
+from roles.modeling import micro_batches, packed_rows, response_logits
 from tests.dist.report import run_worker, say
 
 
@@ -93,6 +95,33 @@ def check_sharded(rank, name, pool_spec, reference, ids):
     say(f"rank {rank} PASS {name} loss={loss.item():.6f}")
 
 
+def packed_loss_and_grads(model, mb, pack: bool):
+    """The actor's path (roles/modeling.response_logits) on one micro-batch, packed or padded."""
+    model.zero_grad()
+    logp = logprobs_from_logits(response_logits(model, mb, pack=pack), mb["response_ids"])
+    m = mb["response_mask"]
+    loss = -(logp * m * (1 + torch.arange(m.shape[1]) % 3)).sum() / m.sum()
+    loss.backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+def check_packed(rank, name, pool_spec, model, mb, reference):
+    """Packed micro-batches (block-causal attention from position ids, the hook on the final norm) on a sharded copy:
+    every rank takes the whole micro-batch; loss and gradients equal the unsharded padded forward's."""
+    layout = build_layout(pools(*pool_spec), "cpu")
+    mine = [p for p in layout.pools if p.has(rank)]
+    if not mine:
+        return
+    sharded = shard_model(copy.deepcopy(model), mine[0], FSDPConfig(param_dtype="float32"))
+    loss, grads = packed_loss_and_grads(sharded, mb, pack=True)
+    torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6, msg=f"{name} packed: loss")
+    for key, g in grads.items():
+        torch.testing.assert_close(g, reference[1][key], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"{name} packed {key}: {m}")
+    say(f"rank {rank} PASS packed {name}")
+
+
 def check_transfer(rank, split):
     """A ragged batch on the 2-rank pool -> the 1-rank pool -> back: same samples, same order, zero padding."""
     a, b = split.pools[0], split.pools[1]
@@ -161,6 +190,24 @@ def main():
     check_sharded(rank, "tp2+fsdp2", [("tp", 2, ["actor"], 2, 1), ("fsdp", 2, ["critic"], 1, 1)], reference, ids)
     check_sharded(rank, "2d", [("all", 4, ["actor"], 2, 1)], reference, ids)
     check_sharded(rank, "hsdp", [("all", 4, ["actor"], 1, 2)], reference, ids)
+
+    lengths = [(3, 9), (2, 1), (2, 14), (4, 6), (2, 1), (3, 1)]  # (prompt, response): 2 packed rows of 32, not 6 of 16
+    gen = torch.Generator().manual_seed(2)
+    rows = [torch.randint(1, 96, (p + r,), generator=gen) for p, r in lengths]
+    width, r_max = max(p + r for p, r in lengths), max(r for _, r in lengths)
+    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "prompt_len": torch.tensor([p for p, _ in lengths]), "response_len": torch.tensor([r for _, r in lengths]),
+             "response_ids": torch.zeros(len(rows), r_max, dtype=torch.long),
+             "response_mask": torch.zeros(len(rows), r_max)}
+    for i, ((p, r), row) in enumerate(zip(lengths, rows)):
+        batch["input_ids"][i, : p + r] = row
+        batch["response_ids"][i, :r] = row[p:]
+        batch["response_mask"][i, :r] = 1
+    (mb,) = micro_batches(batch, 10_000, None)
+    assert packed_rows(mb) is not None
+    padded = packed_loss_and_grads(copy.deepcopy(model), mb, pack=False)
+    check_packed(rank, "tp2", [("tp", 2, ["actor"], 2, 1), ("fsdp", 2, ["critic"], 1, 1)], model, mb, padded)
+    check_packed(rank, "2d", [("all", 4, ["actor"], 2, 1)], model, mb, padded)
     check_transfer(rank, split)
 
 
