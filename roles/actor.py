@@ -18,6 +18,7 @@ from roles.modeling import (
     lr_factor,
     make_optimizer,
     micro_batches,
+    packable,
     response_logits,
     train_mini_batches,
 )
@@ -73,8 +74,8 @@ class Actor:
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of the response tokens under the current weights (teacher-forced)."""
         self.model.eval()
-        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group)
         pack = self.cfg.pack_sequences
+        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group, pack and packable(self.model))
         out = [logprobs_from_logits(response_logits(self.model, mb, pack), mb["response_ids"], temperature)
                for mb in micro]
         return join_rows(out, micro, batch)

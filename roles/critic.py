@@ -17,6 +17,7 @@ from roles.modeling import (
     lr_factor,
     make_optimizer,
     micro_batches,
+    packable,
     response_values,
     train_mini_batches,
 )
@@ -41,7 +42,8 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """[B, R] V(s_t): the value of the state before each response token."""
         self.model.eval()
-        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group)
+        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group,
+                              self.cfg.pack_sequences and packable(self.model))
         return join_rows([self._values(mb) for mb in micro], micro, batch)
 
     def update(self, batch: Batch, generator: torch.Generator | None = None) -> dict[str, float]:

@@ -282,16 +282,48 @@ def length_groups(lengths: list[int], parts: int) -> list[list[int]]:
     return groups
 
 
-def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | None) -> list[Batch]:
-    """Split a rank's samples into micro-batches of at most ~token_budget padded tokens, similar lengths together.
+def balanced_groups(lengths: list[int], parts: int) -> list[list[int]]:
+    """Longest first, each sample into the group with the fewest tokens so far (LPT): `parts` groups (fewer when
+    there are fewer samples) whose token sums differ by at most the longest sample. Returns sample indices."""
+    groups: list[list[int]] = [[] for _ in range(min(parts, len(lengths)))]
+    sums = [0] * len(groups)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        g = min(range(len(groups)), key=lambda g: sums[g])
+        groups[g].append(i)
+        sums[g] += lengths[i]
+    return groups
 
-    The count is the one a budget of token_budget needs (rows x longest, samples sorted by length), the largest
-    over the ranks of `group` (the data-parallel group): every rank runs the same number of forwards, because each
-    forward of an FSDP model is a collective. Within that count the samples are grouped by length with the least
-    padding (length_groups); a rank with fewer samples than micro-batches gets all-padding rows. Widths are rounded
-    up to WIDTH_MULTIPLE. Each micro-batch carries `row_index` (its rows' indices in `batch`, -1 for padding rows;
-    join_rows puts outputs back in order) and `lengths_host` ([b, 2] prompt and full lengths on the host, for the
-    logits window and the attention mask).
+
+def token_groups(lengths: list[int], budget: int, parts: int | None = None) -> list[list[int]]:
+    """Samples in groups of at most `budget` tokens (first-fit decreasing, pack_rows; a longer sample is a group by
+    itself), then, while fewer than `parts` groups exist, the one with the most tokens (two samples or more) is
+    halved by balanced_groups, so every rank does real work in every micro-batch. Returns sample indices."""
+    groups = pack_rows(lengths, budget)
+    while parts is not None and len(groups) < parts:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            break
+        g = max(splittable, key=lambda g: sum(lengths[i] for i in g))
+        at = groups.index(g)
+        groups[at:at + 1] = [[g[j] for j in half] for half in balanced_groups([lengths[i] for i in g], 2)]
+    return groups
+
+
+def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | None,
+                  packed: bool = False) -> list[Batch]:
+    """Split a rank's samples into micro-batches of at most ~token_budget tokens.
+
+    Padded (packed=False): the count is the one a budget of token_budget padded tokens needs (rows x longest, samples
+    sorted by length), and within it the samples are grouped by length with the least padding (length_groups).
+    packed=True (the forwards will pack, response_logits / response_values with pack): groups of at most
+    token_budget real tokens, lengths mixed (token_groups: first-fit decreasing), which is what packing wants; a
+    packed forward then holds those tokens plus the padding at the ends of its rows. Either way the count is the
+    largest over the ranks
+    of `group` (the data-parallel group): every rank runs the same number of forwards, because each forward of an
+    FSDP model is a collective; a rank with fewer samples than micro-batches gets all-padding rows. Widths are
+    rounded up to WIDTH_MULTIPLE. Each micro-batch carries `row_index` (its rows' indices in `batch`, -1 for padding
+    rows; join_rows puts outputs back in order) and `lengths_host` ([b, 2] prompt and full lengths on the host, for
+    the logits window, the attention mask and packing).
     One host sync: the lengths.
     """
     n = batch_size(batch)
@@ -299,14 +331,18 @@ def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | No
     host = torch.stack([lengths[0], lengths[0] + lengths[1]], 1).long()  # [n, 2]: prompt and full length
     full = host[:, 1].tolist()
     rounded = [_round_up(x, WIDTH_MULTIPLE) for x in full]
-    count = torch.tensor([float(max(1, len(greedy_runs(rounded, max(token_budget, 1)))))])
+    budget = max(token_budget, 1)
+    needed = len(token_groups(full, budget)) if packed else len(greedy_runs(rounded, budget))
+    count = torch.tensor([float(max(1, needed))])
     if group is not None and dist.get_world_size(group) > 1:
         count = count.to(comm_device(group))
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     count = int(count)
     out = []
     by_length = sorted(range(n), key=lambda i: -full[i])  # ties of the rounded widths: the longest first
-    for members in length_groups([rounded[i] for i in by_length], count):
+    grouping = length_groups([rounded[i] for i in by_length], count) if not packed else \
+        token_groups([full[i] for i in by_length], budget, count)
+    for members in grouping:
         rows = [by_length[j] for j in members]
         index = torch.tensor(sorted(rows), dtype=torch.long)
         width = max(rounded[i] for i in rows)
@@ -560,6 +596,7 @@ def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, repli
     cfg: config.ActorConfig or config.CriticConfig.
     """
     group = pool.dp_group
+    packed = cfg.pack_sequences and packable(model)  # micro_loss packs its forwards (response_logits / _values)
     n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
     taken: list[bool] = []
     if n_mini == 0:
@@ -571,7 +608,7 @@ def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, repli
             mask = as_bool_mask(mini["response_mask"], mini["response_mask"].shape)
             counts = all_reduce_sum(torch.stack([mask.sum(), mask.any(-1).sum()]), group).to(mask.device)
             tokens, seqs = counts[0].clamp(min=1), counts[1].clamp(min=1)
-            micro = micro_batches(mini, cfg.micro_batch_tokens, group)
+            micro = micro_batches(mini, cfg.micro_batch_tokens, group, packed)
             mini_loss = torch.zeros((), device=mask.device)
             for i, mb in enumerate(micro):
                 set_grad_sync(model, sync_now(i, len(micro), grad_sync_every))

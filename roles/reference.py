@@ -8,7 +8,7 @@ from algo.losses import logprobs_from_logits
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
-from roles.modeling import join_rows, load_causal_lm, micro_batches, response_logits
+from roles.modeling import join_rows, load_causal_lm, micro_batches, packable, response_logits
 
 
 class Reference:
@@ -23,7 +23,8 @@ class Reference:
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of the response tokens under the reference policy."""
         out = []
-        micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group)
+        micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group,
+                              self.pack_sequences and packable(self.model))
         for mb in micro:
             out.append(logprobs_from_logits(response_logits(self.model, mb, self.pack_sequences), mb["response_ids"],
                                             temperature))

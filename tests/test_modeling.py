@@ -15,6 +15,7 @@ from roles.modeling import (
     WIDTH_MULTIPLE,
     at_response,
     attention_mask,
+    balanced_groups,
     forward,
     grad_norm_and_clip,
     greedy_runs,
@@ -25,6 +26,7 @@ from roles.modeling import (
     packed_rows,
     response_logits,
     response_values,
+    token_groups,
 )
 
 
@@ -291,3 +293,68 @@ def test_packed_values_give_the_values_and_gradients_of_the_padded_ones():
     torch.testing.assert_close(v_b, v_a, rtol=1e-5, atol=1e-6)
     for name, g in g_a.items():
         torch.testing.assert_close(g_b[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_balanced_groups_even_out_the_token_sums():
+    # by hand, longest first into the lightest group: 9 -> a (9), 7 -> b (7), 5 -> b (12), 4 -> a (13),
+    # 2 -> b (14), 1 -> a (14)
+    assert balanced_groups([5, 9, 1, 7, 2, 4], 2) == [[1, 5, 2], [3, 0, 4]]
+    assert balanced_groups([3, 3], 4) == [[0], [1]]
+    rng = random.Random(1)
+    for _ in range(50):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(2, 20))]
+        parts = rng.randint(1, 5)
+        groups = balanced_groups(lengths, parts)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        sums = [sum(lengths[i] for i in g) for g in groups]
+        assert max(sums) - min(sums) <= max(lengths)
+
+
+def test_token_groups_hold_the_budget_and_fill_the_parts():
+    # first-fit decreasing into 10 tokens, longest first: 9 -> A, 7 -> B, 5 -> C, 4 -> C (A and B too full),
+    # 2 -> B, 1 -> A: A = 9 + 1, B = 7 + 2, C = 5 + 4; asked for 4 parts, the fullest (A, 10 tokens) is halved
+    assert token_groups([5, 9, 1, 7, 2, 4], 10) == [[1, 2], [3, 4], [0, 5]]
+    assert token_groups([5, 9, 1, 7, 2, 4], 10, 4) == [[1], [2], [3, 4], [0, 5]]
+    assert token_groups([12, 3], 10) == [[0], [1]]  # a sample longer than the budget is a group by itself
+    rng = random.Random(2)
+    for _ in range(50):
+        lengths = [rng.randint(1, 30) for _ in range(rng.randint(1, 15))]
+        budget, parts = rng.randint(20, 80), rng.randint(1, 6)
+        groups = token_groups(lengths, budget, parts)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(len(g) == 1 or sum(lengths[i] for i in g) <= budget for g in groups)
+        assert len(groups) >= min(parts, len(lengths))
+
+
+def test_packed_micro_batches_split_by_real_tokens_and_train_as_one_padded_forward():
+    """micro_batches(packed=True): micro-batches of at most `budget` real tokens (lengths mixed), fewer than padding
+    needs; each forward packed; the summed loss and the gradients equal one padded forward of the whole batch."""
+    prompts, responses = [3, 9, 2, 5, 4, 6, 4, 6, 3, 2], [12, 2, 15, 7, 1, 9, 12, 30, 3, 20]
+    batch = random_batch(prompts, responses, seed=7)
+    mask = batch["response_mask"]
+    tokens = mask.sum()
+    full = [p + r for p, r in zip(prompts, responses)]
+    budget = 64
+    micro = micro_batches(batch, token_budget=budget, group=None, packed=True)
+    assert len(micro) == len(token_groups(full, budget)) == 3  # 155 tokens, groups of <= 64
+    assert len(micro_batches(batch, token_budget=budget, group=None)) > len(micro)
+    assert all(sum(full[i] for i in mb["row_index"].tolist()) <= budget for mb in micro)
+
+    reference = tiny_lm(seed=4)
+    logp_ref = logprobs_from_logits(at_response(forward(reference, batch), batch), batch["response_ids"])
+    loss_ref = -(logp_ref * batch["advantages"] * mask).sum() / tokens
+    loss_ref.backward()
+    model = tiny_lm(seed=4)
+    total, parts, packs = 0.0, [], 0
+    for mb in micro:
+        packs += packed_rows(mb) is not None
+        logp = logprobs_from_logits(response_logits(model, mb, pack=True), mb["response_ids"])
+        loss = -(logp * mb["advantages"] * mb["response_mask"]).sum() / tokens
+        loss.backward()
+        total += float(loss.detach())
+        parts.append(logp.detach())
+    assert packs >= 1
+    torch.testing.assert_close(join_rows(parts, micro, batch), logp_ref.detach() * mask, rtol=1e-5, atol=1e-6)
+    assert total == pytest.approx(float(loss_ref.detach()), rel=1e-5, abs=1e-7)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
