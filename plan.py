@@ -27,8 +27,8 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
   budget), at most a rank's rows. With pack_sequences a micro-batch holds at most micro_batch_tokens real tokens
   (any number of shorter rows) and its packed forward adds the padding at the ends of its rows, up to two rows of
   W: within the planner's margin for budgets of many rows, not for a budget of one or two. b bytes per element of
-  param_dtype (the compute dtype), h hidden, q = heads x
-  head_dim, i intermediate, H heads (q, i, H divided by tp), L layers, V vocabulary. What autograd keeps per decoder
+  param_dtype (the compute dtype), h hidden, q = heads x head_dim, i intermediate, H heads (q, i, H divided by tp),
+  L layers, V vocabulary. What autograd keeps per decoder
   layer and token (HF Llama/Qwen2, SDPA with a padding mask; rotary embeddings keep nothing per token):
       layer = 2 (4 + b) h   two RMSNorms (the float32 upcast and the normed copy)
             + 2 b h         the inputs of q/k/v and of gate/up
