@@ -36,6 +36,7 @@ class Actor:
         self.model = shard_model(load_causal_lm(path, trust_remote_code).to(device), pool, cfg.fsdp,
                                  replicate=self.replicas.replicated_by_fsdp)
         self.optimizer = make_optimizer(self.model, cfg.optim)
+        self.pack = cfg.pack_sequences and packable(self.model)  # micro-batches cut by real tokens, forwards packed
         self.lr_scale = 1.0  # guard rails back the learning rate off through this
         self.step_count = 0
         self.skips_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
@@ -74,9 +75,8 @@ class Actor:
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of the response tokens under the current weights (teacher-forced)."""
         self.model.eval()
-        pack = self.cfg.pack_sequences
-        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group, pack and packable(self.model))
-        out = [logprobs_from_logits(response_logits(self.model, mb, pack), mb["response_ids"], temperature)
+        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group, self.pack)
+        out = [logprobs_from_logits(response_logits(self.model, mb, self.pack), mb["response_ids"], temperature)
                for mb in micro]
         return join_rows(out, micro, batch)
 
@@ -99,7 +99,7 @@ class Actor:
 
         def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
             # one pass over the [b, R, V] logits gives both; the entropy's gradient only with a bonus
-            logp, token_entropy = logprobs_and_entropy(response_logits(self.model, mb, cfg.pack_sequences),
+            logp, token_entropy = logprobs_and_entropy(response_logits(self.model, mb, self.pack),
                                                        mb["response_ids"], temperature)
             m = mb["response_mask"]
             norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
@@ -123,7 +123,7 @@ class Actor:
             return loss
 
         taken = train_mini_batches(self.model, self.optimizer, self.replicas, batch, cfg, self.pool,
-                                   self.grad_sync_every, generator, micro_loss, metrics, "actor")
+                                   self.grad_sync_every, generator, micro_loss, metrics, "actor", packed=self.pack)
         for ok in taken:
             self.skips_in_a_row = 0 if ok else self.skips_in_a_row + 1
         self.step_count += 1

@@ -33,17 +33,17 @@ class Critic:
         self.model = shard_model(load_value_model(path, trust_remote_code).to(device), pool, cfg.fsdp,
                                  replicate=self.replicas.replicated_by_fsdp)
         self.optimizer = make_optimizer(self.model, cfg.optim)
+        self.pack = cfg.pack_sequences and packable(self.model)  # micro-batches cut by real tokens, forwards packed
         self.step_count = 0
 
     def _values(self, mb: Batch) -> torch.Tensor:
-        return response_values(self.model, mb, self.cfg.pack_sequences)
+        return response_values(self.model, mb, self.pack)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         """[B, R] V(s_t): the value of the state before each response token."""
         self.model.eval()
-        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group,
-                              self.cfg.pack_sequences and packable(self.model))
+        micro = micro_batches(batch, self.cfg.micro_batch_tokens, self.pool.dp_group, self.pack)
         return join_rows([self._values(mb) for mb in micro], micro, batch)
 
     def update(self, batch: Batch, generator: torch.Generator | None = None) -> dict[str, float]:
@@ -64,7 +64,8 @@ class Critic:
             return loss
 
         taken = train_mini_batches(self.model, self.optimizer, self.replicas, batch, cfg, self.pool,
-                                   self.grad_sync_every, generator, micro_loss, metrics, "critic", "comm/critic/")
+                                   self.grad_sync_every, generator, micro_loss, metrics, "critic", "comm/critic/",
+                                   packed=self.pack)
         self.step_count += 1
         return {**metrics.result(self.pool.dp_group, len(taken)), "critic/lr": lr,
                 "critic/empty_batch": float(not taken)}

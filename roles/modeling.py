@@ -271,14 +271,20 @@ def length_groups(lengths: list[int], parts: int) -> list[list[int]]:
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (mid + 1, hi) if len(greedy_runs(lengths, mid)) > parts else (lo, mid)
-    groups = greedy_runs(lengths, lo)
+    return _split_until(greedy_runs(lengths, lo), parts, cost=lambda g: len(g) * lengths[g[0]],
+                        halve=lambda g: [g[: len(g) // 2], g[len(g) // 2:]])
+
+
+def _split_until(groups: list[list[int]], parts: int, cost, halve) -> list[list[int]]:
+    """While fewer than `parts` groups exist, the costliest group of two samples or more is replaced by its two
+    halves (halve(group) -> [first, second]), so every rank does real work in every micro-batch."""
     while len(groups) < parts:
         splittable = [g for g in groups if len(g) > 1]
         if not splittable:
             break
-        g = max(splittable, key=lambda g: len(g) * lengths[g[0]])
+        g = max(splittable, key=cost)
         at = groups.index(g)
-        groups[at:at + 1] = [g[: len(g) // 2], g[len(g) // 2:]]
+        groups[at:at + 1] = halve(g)
     return groups
 
 
@@ -297,16 +303,9 @@ def balanced_groups(lengths: list[int], parts: int) -> list[list[int]]:
 def token_groups(lengths: list[int], budget: int, parts: int | None = None) -> list[list[int]]:
     """Samples in groups of at most `budget` tokens (first-fit decreasing, pack_rows; a longer sample is a group by
     itself), then, while fewer than `parts` groups exist, the one with the most tokens (two samples or more) is
-    halved by balanced_groups, so every rank does real work in every micro-batch. Returns sample indices."""
-    groups = pack_rows(lengths, budget)
-    while parts is not None and len(groups) < parts:
-        splittable = [g for g in groups if len(g) > 1]
-        if not splittable:
-            break
-        g = max(splittable, key=lambda g: sum(lengths[i] for i in g))
-        at = groups.index(g)
-        groups[at:at + 1] = [[g[j] for j in half] for half in balanced_groups([lengths[i] for i in g], 2)]
-    return groups
+    halved by balanced_groups. Returns sample indices."""
+    return _split_until(pack_rows(lengths, budget), parts or 0, cost=lambda g: sum(lengths[i] for i in g),
+                        halve=lambda g: [[g[j] for j in half] for half in balanced_groups([lengths[i] for i in g], 2)])
 
 
 def micro_batches(batch: Batch, token_budget: int, group: dist.ProcessGroup | None,
@@ -583,7 +582,8 @@ class ReplicaSync:
 
 def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, replicas: ReplicaSync, batch: Batch,
                        cfg, pool, grad_sync_every: int, generator: torch.Generator | None, micro_loss,
-                       metrics: UpdateMetrics, prefix: str, comm_prefix: str = "comm/") -> list[bool]:
+                       metrics: UpdateMetrics, prefix: str, comm_prefix: str = "comm/", packed: bool = False
+                       ) -> list[bool]:
     """The update loop the actor and critic share: `cfg.ppo_epochs` x mini-batches (the same count on every dp
     rank) x token-budget micro-batches, one optimizer step per mini-batch.
 
@@ -593,10 +593,10 @@ def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, repli
     `replicas`, clipped to cfg.optim.grad_clip; a non-finite norm skips the step. Records `<prefix>/grad_norm` and
     the replicas' metrics (comm/ renamed to `comm_prefix`). Returns, per optimizer step, whether it was taken: an
     empty list when no dp rank has a sample (nothing is computed then, no collective of the model runs).
-    cfg: config.ActorConfig or config.CriticConfig.
+    cfg: config.ActorConfig or config.CriticConfig. packed: micro_loss packs its forwards, so the micro-batches
+    are cut by real tokens (micro_batches).
     """
     group = pool.dp_group
-    packed = cfg.pack_sequences and packable(model)  # micro_loss packs its forwards (response_logits / _values)
     n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
     taken: list[bool] = []
     if n_mini == 0:

@@ -15,17 +15,17 @@ class Reference:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, micro_batch_tokens: int,
                  trust_remote_code: bool = False, pack_sequences: bool = False):
         """cfg: config.ReferenceConfig; micro_batch_tokens and pack_sequences: the actor's (roles.modeling)."""
-        self.pool, self.micro_batch_tokens, self.pack_sequences = pool, micro_batch_tokens, pack_sequences
+        self.pool, self.micro_batch_tokens = pool, micro_batch_tokens
         model = load_causal_lm(path, trust_remote_code).to(device).eval().requires_grad_(False)
         self.model = shard_model(model, pool, cfg.fsdp, train=False)
+        self.pack = pack_sequences and packable(self.model)
 
     @torch.no_grad()
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of the response tokens under the reference policy."""
         out = []
-        micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group,
-                              self.pack_sequences and packable(self.model))
+        micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group, self.pack)
         for mb in micro:
-            out.append(logprobs_from_logits(response_logits(self.model, mb, self.pack_sequences), mb["response_ids"],
+            out.append(logprobs_from_logits(response_logits(self.model, mb, self.pack), mb["response_ids"],
                                             temperature))
         return join_rows(out, micro, batch)

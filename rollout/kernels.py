@@ -52,12 +52,22 @@ def available(head_dim: int, device: torch.device) -> str | None:
     return None
 
 
+def _part_count(total: int, tile: int, independent: int, programs: int) -> int:
+    """Parts to cut `total` elements into, each at least one `tile`, so that `independent` programs per part come
+    to about `programs`."""
+    return max(1, min(_ceil_div(total, tile), _ceil_div(programs, max(independent, 1))))
+
+
+def _whole_tiles(total: int, parts: int, tile: int) -> tuple[int, int]:
+    """(part length, part count) of `total` elements in about `parts` parts of whole tiles (none left empty)."""
+    length = _ceil_div(_ceil_div(total, parts), tile) * tile
+    return length, _ceil_div(total, length)
+
+
 def split_count(batch: int, kv_heads: int, length: int, programs: int) -> int:
     """Splits of the positions per (slot, key/value head): enough programs for about `programs` (two per SM), each
     split at least one BLOCK_T tile."""
-    tiles = -(-length // BLOCK_T)
-    wanted = -(-programs // max(batch * kv_heads, 1))
-    return max(1, min(tiles, wanted))
+    return _part_count(length, BLOCK_T, batch * kv_heads, programs)
 
 
 def _programs(device: torch.device) -> int:
@@ -253,7 +263,7 @@ if triton is not None:
 
 def sample_chunks(rows: int, vocab: int, programs: int) -> int:
     """Chunks of each row's vocabulary in sample_tokens: about `programs` programs, each at least one BLOCK_V tile."""
-    return max(1, min(-(-vocab // BLOCK_V), -(-programs // max(rows, 1))))
+    return _part_count(vocab, BLOCK_V, rows, programs)
 
 
 def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,
@@ -270,8 +280,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     rows, vocab = logits.shape
     if chunks <= 0:
         chunks = sample_chunks(rows, vocab, _programs(logits.device))
-    chunk = _ceil_div(_ceil_div(vocab, chunks), BLOCK_V) * BLOCK_V
-    chunks = -(-vocab // chunk)
+    chunk, chunks = _whole_tiles(vocab, chunks, BLOCK_V)
     device = logits.device
     parts = [torch.empty(rows * chunks, dtype=torch.float32, device=device) for _ in range(4)]
     token_part = torch.empty(rows * chunks, dtype=torch.int32, device=device)
@@ -329,8 +338,7 @@ def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     group = heads // kv_heads
     if splits <= 0:
         splits = split_count(batch, kv_heads, length, _programs(q.device))
-    split_len = _ceil_div(_ceil_div(length, splits), BLOCK_T) * BLOCK_T  # positions per split, whole tiles
-    splits = -(-length // split_len)
+    split_len, splits = _whole_tiles(length, splits, BLOCK_T)
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
     if splits == 1:
