@@ -230,6 +230,10 @@ class ActorConfig:
     )
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    # PPO's old log-probs. auto: when the update is the rollout's only optimizer step (ppo_epochs 1, one mini-batch, no
+    # KL term, no replay, not offline), the update's own forward gives them, detached (ratio 1: the same loss and
+    # gradient, one forward pass fewer); forward: always a separate forward pass before the update
+    old_logprobs: Literal["auto", "forward"] = "auto"
 
 
 @dataclass
@@ -925,6 +929,32 @@ def _yaml_text(value) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Entry-point helper
+
+
+def old_logprobs_pass(cfg: Config) -> str | None:
+    """Why the actor needs a forward pass for PPO's old log-probs before its update, or None when it does not.
+
+    The old policy of the ratio is the one that sampled the batch. When the update is that batch's only optimizer
+    step, the weights of its forward are still the sampling weights, so the log-probs it computes, detached, are the
+    old ones: ratio 1, the same loss and gradient as with a separate pass, one forward over the batch saved. That
+    holds with one epoch and one mini-batch, and only when nothing reads the old log-probs before the update (the KL
+    terms and their metrics) or keeps them from another policy (replayed samples, logged offline rollouts)."""
+    a, algo = cfg.actor, cfg.algorithm
+    samples = cfg.data.batch_size * cfg.rollout.n
+    if a.old_logprobs == "forward":
+        return "actor.old_logprobs=forward"
+    if cfg.data.rollouts_path:
+        return "offline training (data.rollouts_path): the ratio is against the logged policy"
+    if a.ppo_epochs > 1:
+        return f"actor.ppo_epochs={a.ppo_epochs}: later epochs train on weights that have moved"
+    if 0 < a.mini_batch_size < samples:
+        return (f"actor.mini_batch_size={a.mini_batch_size} is below the {samples} samples of a step: later "
+                "mini-batches train on weights that have moved")
+    if algo.kl.in_reward or algo.kl.in_loss:
+        return "algorithm.kl: the KL to the reference is measured on them before the update"
+    if algo.replay.enabled:
+        return "algorithm.replay: replayed samples keep the log-probs of the policy that sampled them"
+    return None
 
 
 def required_roles(cfg: Config) -> tuple[str, ...]:

@@ -122,6 +122,13 @@ class PPOTrainer:
                                                                cfg.data.ground_truth_key), self.tokenizer,
                                            cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
         self.offline = isinstance(self.train_set, OfflineRollouts)
+        # None: the update's own forward gives PPO's old log-probs (one optimizer step per rollout); else why a
+        # forward pass before the update computes them
+        self.old_logprobs_pass = C.old_logprobs_pass(cfg)
+        if layout.rank == 0:
+            why = self.old_logprobs_pass
+            log.info("old log-probs: %s", "from the update's forward (one optimizer step per rollout)" if why is None
+                     else f"a forward pass before the update ({why})")
         self.eval_set = None
         if C.path_list(cfg.data.eval_path):
             self.eval_set = PromptDataset(load_eval_records(C.path_list(cfg.data.eval_path), cfg.data.prompt_key,
@@ -257,7 +264,7 @@ class PPOTrainer:
                 log.error("%s", fatal)
             raise RuntimeError(fatal or "reward functions failed on too many samples on another rank (its log says "
                                "which); stopping before the update. The last checkpoint is intact.")
-        if self.actor is not None:
+        if self.actor is not None and self.old_logprobs_pass is not None:
             with t("old_logprobs"):
                 if self.offline and self.train_set.has_logprobs:  # the ratio against the behaviour policy
                     batch["old_logprobs"] = batch["rollout_logprobs"]

@@ -47,7 +47,7 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
                   replay: ReplayBuffer | None = None, generator: torch.Generator | None = None,
                   reduce: A.Reduce | None = None) -> tuple[Batch, dict[str, float]]:
     """Filters, KL, advantages, resampling and replay for this rank's part of the rollout batch, in the order of the
-    module docstring. batch: scores [B], prompt_len and response_len [B], response_mask, old_logprobs [B, T],
+    module docstring. batch: scores [B], prompt_len and response_len [B], response_mask, old_logprobs and
     ref_logprobs [B, T] (with a KL term), values [B, T] (GAE); the samples of one prompt are `group_size`
     consecutive rows. algo: config.AlgorithmConfig; kl_ctl: its controller (updated here). Returns the training
     batch (with advantages, and returns for GAE / REINFORCE++; may be empty) and metrics that are the same on every
@@ -109,8 +109,11 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
     beta = m.get("actor/kl_coef", 0.0)
     estimator = algo.adv_estimator
     if estimator in ("gae", "reinforce_pp"):
-        ref = batch["ref_logprobs"] if kl_cfg.in_reward else batch["old_logprobs"]
-        token_rewards, _ = kl_in_reward(scores, batch["old_logprobs"], ref, mask, beta if kl_cfg.in_reward else 0.0,
+        if kl_cfg.in_reward:
+            logp, ref = batch["old_logprobs"], batch["ref_logprobs"]
+        else:  # the score alone: no KL term reads log-probs (a batch may have no old ones, config.old_logprobs_pass)
+            logp = ref = torch.zeros_like(mask, dtype=torch.float32)
+        token_rewards, _ = kl_in_reward(scores, logp, ref, mask, beta if kl_cfg.in_reward else 0.0,
                                         kl_cfg.reward_kind)
     if estimator == "gae":
         adv, returns = A.gae(token_rewards, batch["values"], mask, algo.gamma, algo.lam)

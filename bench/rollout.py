@@ -2,6 +2,7 @@
 
     python bench/rollout.py                       # Qwen2.5-0.5B and 1.5B shapes, 1 GPU
     python bench/rollout.py --models qwen2.5-0.5b --hf-prompts 128
+    python bench/rollout.py --models qwen2.5-0.5b --prompts 1024 --max-num-seqs 256 --hf-prompts 0   # 4x the slots
 
 Models are built from configs/models/<name>.json (or a path to such a file) with random bf16 weights: weights do not
 change speed. Runs per model:
@@ -97,6 +98,9 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
               f"{step_ms:.2f} ms/step, stats {stats}", flush=True)
         return tokens, seconds, peak, prefill_s, step_ms, stats
 
+    def slots_note(stats: dict) -> str:  # continuous batching: more sequences than slots
+        return f", {stats['slots']} slots" if stats["slots"] < args.prompts else ""
+
     new = args.new
     equal = SamplingParams(max_new_tokens=new, temperature=1.0, min_new_tokens=new)
     mean_context = args.prompt_len + new / 2
@@ -108,14 +112,16 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         torch._dynamo.reset()  # each variant's compiled pieces are new code: no recompile limit across variants
         decode_kernels, ops = KERNEL_VARIANTS[variant]
         engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
-                              fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops)
+                              fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops,
+                              max_num_seqs=args.max_num_seqs)
         if engine.fallback_reason is not None:
             raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
         if args.profile:
             profile_decode(engine, prompts, label=variant)
         tokens, seconds, peak, prefill_s, step_ms, stats = ours(engine, equal, label=f"equal, kernels {variant}")
         variant_rows.append(dict(
-            model=name, run=f"equal {args.prompts}x({args.prompt_len}+{new})", kernels=variant, tokens=tokens,
+            model=name, run=f"equal {args.prompts}x({args.prompt_len}+{new}){slots_note(stats)}", kernels=variant,
+            tokens=tokens,
             ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s, step_ms=step_ms,
             floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context), graphs=stats["graphs"]))
         if args.spread:
@@ -123,7 +129,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
             tokens, seconds, peak, prefill_s, step_ms, stats = ours(engine, spread, limits,
                                                                     label=f"spread, kernels {variant}")
             variant_rows.append(dict(
-                model=name, run=f"spread {args.prompts}x({args.prompt_len}+{low}..{high})", kernels=variant,
+                model=name, run=f"spread {args.prompts}x({args.prompt_len}+{low}..{high}){slots_note(stats)}",
+                kernels=variant,
                 tokens=tokens, ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s,
                 step_ms=step_ms, graphs=stats["graphs"]))
 
@@ -196,6 +203,9 @@ def main() -> None:
     parser.add_argument("--hf-prompts", type=int, default=256, help="prompts for HF generate; 0 skips it")
     parser.add_argument("--spread", type=int, nargs=2, default=[32, 512], metavar=("LOW", "HIGH"))
     parser.add_argument("--no-spread", dest="spread", action="store_const", const=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="slots (rollout.max_num_seqs): with more prompts, finished sequences free slots for "
+                             "waiting ones (continuous batching)")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-fused", action="store_true",

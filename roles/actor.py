@@ -85,12 +85,17 @@ class Actor:
 
     def update(self, batch: Batch, temperature: float, kl_loss_coef: float = 0.0, kl_kind: str = "low_var_kl",
                max_response_len: int | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
-        """PPO epochs x mini-batches x micro-batches on this rank's samples. Needs old_logprobs, advantages
-        (and ref_logprobs when kl_loss_coef > 0). Losses are normalised by global counts over the dp group, so
+        """PPO epochs x mini-batches x micro-batches on this rank's samples. Needs advantages (and ref_logprobs
+        when kl_loss_coef > 0). Losses are normalised by global counts over the dp group, so
         the update does not depend on how samples are split over micro-batches or ranks; so are the metrics
         (roles.modeling.UpdateMetrics), the same on every rank. A batch empty on every rank (filters dropped
-        everything) trains nothing and says so in actor/empty_batch."""
+        everything) trains nothing and says so in actor/empty_batch.
+
+        old_logprobs: the sampling policy's; a batch without them must be trained in one optimizer step (checked),
+        whose forward runs the sampling weights: its log-probs, detached, stand in (config.old_logprobs_pass), and
+        rollout/logprob_diff_max (the engine's log-probs against them) is measured here."""
         cfg = self.cfg
+        on_policy = "old_logprobs" not in batch
         lr = self.current_lr()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -102,9 +107,16 @@ class Actor:
             logp, token_entropy = logprobs_and_entropy(response_logits(self.model, mb, self.pack),
                                                        mb["response_ids"], temperature)
             m = mb["response_mask"]
+            if on_policy:
+                old = logp.detach()
+                if "rollout_logprobs" in mb:
+                    gap = (old - mb["rollout_logprobs"]).abs() * m
+                    metrics.maximum("rollout/logprob_diff_max", gap.max() if gap.numel() else gap.new_zeros(()))
+            else:
+                old = mb["old_logprobs"]
             norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
             pg, parts = policy_loss(
-                logp, mb["old_logprobs"], mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                logp, old, mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
                 cfg.loss_agg, rollout_logprobs=mb.get("rollout_logprobs") if cfg.tis_cap else None,
                 tis_cap=cfg.tis_cap, **norms,
             )
@@ -123,7 +135,8 @@ class Actor:
             return loss
 
         taken = train_mini_batches(self.model, self.optimizer, self.replicas, batch, cfg, self.pool,
-                                   self.grad_sync_every, generator, micro_loss, metrics, "actor", packed=self.pack)
+                                   self.grad_sync_every, generator, micro_loss, metrics, "actor", packed=self.pack,
+                                   one_step=on_policy)
         for ok in taken:
             self.skips_in_a_row = 0 if ok else self.skips_in_a_row + 1
         self.step_count += 1

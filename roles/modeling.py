@@ -467,7 +467,8 @@ class UpdateMetrics:
       summed over micro-batches and ranks, which gives each mini-batch's value, then averaged over the optimizer steps;
     - token_mean(key, mean, tokens): a mean over a micro-batch's `tokens` valid tokens: weighted by them over
       micro-batches and ranks (all-padding micro-batches weigh nothing);
-    - same(key, value): a value every rank already agrees on (the gradient norm), averaged over the optimizer steps.
+    - same(key, value): a value every rank already agrees on (the gradient norm), averaged over the optimizer steps;
+    - maximum(key, value): the largest over micro-batches and ranks.
     Values stay tensors until `result`: no host sync inside the micro-batch loop.
     """
 
@@ -475,6 +476,7 @@ class UpdateMetrics:
         self.shares: dict[str, torch.Tensor] = {}
         self.weighted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.same_values: dict[str, list[float]] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
 
     def share(self, key: str, value: torch.Tensor) -> None:
         value = value.detach().float()
@@ -489,12 +491,20 @@ class UpdateMetrics:
     def same(self, key: str, value: float) -> None:
         self.same_values.setdefault(key, []).append(float(value))
 
+    def maximum(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self.maxima[key] = torch.maximum(self.maxima[key], value) if key in self.maxima else value
+
     def result(self, group, steps: int) -> dict[str, float]:
-        """Every dp rank calls (one all-reduce, with the same keys on every rank)."""
+        """Every dp rank calls (one all-reduce, two with maxima, with the same keys on every rank)."""
         shares, weighted = sorted(self.shares), sorted(self.weighted)
         parts = [self.shares[k].reshape(1) for k in shares]
         parts += [torch.stack(self.weighted[k]).reshape(2) for k in weighted]
         out = {k: sum(v) / len(v) for k, v in self.same_values.items()}
+        if self.maxima:
+            keys = sorted(self.maxima)
+            top = reducer(group)(torch.stack([self.maxima[k].cpu() for k in keys]), "max")
+            out.update({k: float(v) for k, v in zip(keys, top)})
         if not parts:
             return out
         flat = all_reduce_sum(torch.cat([p.cpu() for p in parts]), group).cpu()
@@ -582,8 +592,8 @@ class ReplicaSync:
 
 def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, replicas: ReplicaSync, batch: Batch,
                        cfg, pool, grad_sync_every: int, generator: torch.Generator | None, micro_loss,
-                       metrics: UpdateMetrics, prefix: str, comm_prefix: str = "comm/", packed: bool = False
-                       ) -> list[bool]:
+                       metrics: UpdateMetrics, prefix: str, comm_prefix: str = "comm/", packed: bool = False,
+                       one_step: bool = False) -> list[bool]:
     """The update loop the actor and critic share: `cfg.ppo_epochs` x mini-batches (the same count on every dp
     rank) x token-budget micro-batches, one optimizer step per mini-batch.
 
@@ -594,13 +604,17 @@ def train_mini_batches(model: nn.Module, optimizer: torch.optim.Optimizer, repli
     the replicas' metrics (comm/ renamed to `comm_prefix`). Returns, per optimizer step, whether it was taken: an
     empty list when no dp rank has a sample (nothing is computed then, no collective of the model runs).
     cfg: config.ActorConfig or config.CriticConfig. packed: micro_loss packs its forwards, so the micro-batches
-    are cut by real tokens (micro_batches).
+    are cut by real tokens (micro_batches). one_step: micro_loss relies on the weights not moving during the update
+    (old log-probs from its own forward): more than one optimizer step raises ValueError before any is taken.
     """
     group = pool.dp_group
     n_mini = mini_batch_count(batch_size(batch), cfg.mini_batch_size, group)
     taken: list[bool] = []
     if n_mini == 0:
         return taken
+    if one_step and n_mini * cfg.ppo_epochs > 1:
+        raise ValueError(f"{prefix}: a batch without old log-probs trains in one optimizer step, but ppo_epochs="
+                         f"{cfg.ppo_epochs} x {n_mini} mini-batches make {n_mini * cfg.ppo_epochs}")
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(batch_size(batch), generator=generator)
         for chunk in torch.tensor_split(order, n_mini):

@@ -168,3 +168,16 @@ def test_the_whole_pipeline_runs_on_cuda_tensors():
     replay = ReplayBuffer(capacity=100, quality_threshold=0.0, mix_fraction=0.25)
     out, m = prepare(batch, algo, generator=torch.Generator().manual_seed(0), replay=replay)
     assert out["advantages"].is_cuda and all(v == v for v in m.values()), m
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_pp", "grpo", "rloo"])
+def test_without_a_kl_term_no_estimator_reads_the_old_logprobs(estimator):
+    """config.old_logprobs_pass leaves them out of such a batch (the update's forward gives them): every estimator
+    gives the advantages and metrics it gives with them."""
+    batch = rollout(3, seed=2)
+    algo = algorithm(adv_estimator=estimator, **{"kl.in_reward": "false"})
+    with_old, m_with = prepare(batch, algo)
+    without = {k: v for k, v in batch.items() if k != "old_logprobs"}
+    got, m_without = prepare(without, algo)
+    torch.testing.assert_close(got["advantages"], with_old["advantages"], rtol=0, atol=0)
+    assert "old_logprobs" not in got and m_without == m_with

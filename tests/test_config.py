@@ -194,3 +194,24 @@ def test_a_missing_or_unreadable_config_is_named(tmp_path, capsys):
             C.parse_or_exit(argv, world_size=1, rank=0)
         assert stop.value.code == 2
         assert message in capsys.readouterr().err, argv
+
+
+def test_old_logprobs_need_a_forward_pass_only_when_the_update_cannot_give_them():
+    """The update's own forward stands in for PPO's old log-probs when it is the rollout's only optimizer step and
+    nothing reads them earlier; every other case names its reason (config.old_logprobs_pass)."""
+    one_step = ["algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false", "actor.ppo_epochs=1",
+                "data.batch_size=4", "rollout.n=4"]
+    for extra in ([], ["actor.mini_batch_size=0"], ["actor.mini_batch_size=16"], ["actor.mini_batch_size=64"],
+                  ["algorithm.adv_estimator=gae"], ["actor.tis_cap=2.0"]):
+        assert C.old_logprobs_pass(C.load_config(None, one_step + extra)) is None, extra
+    for extra, needle in ((["actor.old_logprobs=forward"], "actor.old_logprobs=forward"),
+                          (["actor.ppo_epochs=2"], "actor.ppo_epochs=2"),
+                          (["actor.mini_batch_size=8"], "below the 16 samples"),
+                          (["algorithm.kl.in_loss=true"], "algorithm.kl"),
+                          (["algorithm.kl.in_reward=true"], "algorithm.kl"),
+                          (["algorithm.replay.enabled=true"], "algorithm.replay"),
+                          (["data.rollouts_path=logged.jsonl"], "offline")):
+        reason = C.old_logprobs_pass(C.load_config(None, one_step + extra))
+        assert reason is not None and needle in reason, (extra, reason)
+    with pytest.raises(C.ConfigError, match="actor.old_logprobs"):
+        C.load_config(None, ["actor.old_logprobs=sometimes"])

@@ -12,7 +12,8 @@ def test_same_batch_on_one_and_two_ranks_logs_the_same_values(tmp_path):
     for estimator in ("gae", "reinforce_pp", "grpo", "rloo"):
         assert f"PASS same metrics {estimator}" in proc.stdout, explain(proc)
     assert "PASS packed micro-batches" in proc.stdout, explain(proc)
-    for check in ("one sample per rank", "empty batch"):
+    assert "PASS on-policy old log-probs" in proc.stdout, explain(proc)
+    for check in ("no old log-probs, two steps refused", "one sample per rank", "empty batch"):
         for rank in (0, 1):
             assert f"rank {rank} PASS {check}" in proc.stdout, explain(proc)
 

@@ -194,19 +194,27 @@ def test_hsdp_with_int8_gradients_and_accumulated_sync(assets, tmp_path):
                      "overlong_buffer": 2, "overlong_penalty": 0.5},
          "replay": {"enabled": True, "capacity": 64, "quality_threshold": 0.2, "mix_fraction": 0.25},
          "guard": {"kl_limit": 1e-9, "var_limit": 1e-9}},
+        # no KL term, one optimizer step per rollout: the old log-probs come from the update's forward
         {"adv_estimator": "rloo", "kl": {"in_reward": False}},
         {"adv_estimator": "reinforce_pp", "kl": {"in_reward": True, "controller": "adaptive", "target": 0.01}},
     ],
-    ids=["grpo_filters", "rloo", "reinforce_pp"],
+    ids=["grpo_filters", "rloo_one_step", "reinforce_pp"],
 )
 def test_estimators_and_filters_run(assets, tmp_path, algorithm):
-    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 3}, algorithm=algorithm)
+    one_step = algorithm["adv_estimator"] == "rloo"
+    actor = {"ppo_epochs": 1, "mini_batch_size": 0} if one_step else {}
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 3}, algorithm=algorithm,
+                       actor=actor)
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 0, explain(proc)
     rows = read_metrics(tmp_path / "runs")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     last = rows[-1]
     assert "critic/vf_loss" not in last
+    # float32: the engine's log-probs are the actor's, measured by a pass before the update or in the update itself
+    assert max(r["rollout/logprob_diff_max"] for r in rows[1:]) < 1e-4
+    assert all(("timing_s/old_logprobs" in r) != one_step for r in rows[1:]), rows
+    assert ("from the update's forward" in proc.stderr) == one_step, explain(proc)
     if algorithm["adv_estimator"] == "grpo":
         assert "data/dropped_groups" in last and last["replay/size"] > 0
         # the limits are tiny: the variance rail fires every step (min_reward + 0.1 each), the KL rail from step 2 on

@@ -140,6 +140,58 @@ def main() -> None:
             close(logged_packed[key], logged_two[key], f"packed {key}")
         say(f"PASS packed micro-batches ({len(keys)} keys)")
 
+    # the on-policy update (config.old_logprobs_pass is None): a batch without old log-probs, trained in one
+    # optimizer step, logs what the same update logs after a forward pass for them, ends at the same weights, and
+    # measures rollout/logprob_diff_max itself; on 1 and on 2 ranks alike
+    on_policy = C.load_config(None, [
+        "algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false", "actor.fsdp.param_dtype=float32",
+        "actor.optim.lr=1e-2", "actor.entropy_coef=0.01", "actor.micro_batch_tokens=16", "actor.ppo_epochs=1"])
+    assert C.old_logprobs_pass(on_policy) is None
+
+    def on_policy_update(pool, rows, with_old: bool):
+        reduce = reducer(pool.dp_group)
+        ctl = make_kl_controller("fixed", 0.0, 0.1, 1)
+        fresh = {k: v for k, v in rows.items() if k != "old_logprobs"}
+        prepared, _ = prepare_batch(fresh, on_policy.algorithm, ctl, group_size=N, max_response_len=RESP,
+                                    min_reward=None, reduce=reduce)
+        actor = Actor(model_path, on_policy.actor, pool, torch.device("cpu"), 0, 10, comm_cfg=on_policy.comm,
+                      rollout_cfg=on_policy.rollout)
+        gap = None
+        if with_old:
+            prepared["old_logprobs"] = actor.log_probs(prepared, 1.0)
+            gap = float(((prepared["old_logprobs"] - prepared["rollout_logprobs"]).abs()
+                         * prepared["response_mask"]).max())
+        logged = actor.update(prepared, 1.0, max_response_len=RESP, generator=torch.Generator())
+        weights = {n: p.full_tensor().clone() for n, p in actor.model.named_parameters()}
+        return logged, weights, gap
+
+    if rank == 0:
+        forward, w_forward, gap = on_policy_update(solo.pools[0], dict(full), True)
+        shortcut, w_shortcut, _ = on_policy_update(solo.pools[0], dict(full), False)
+        assert "rollout/logprob_diff_max" not in forward and gap > 0.5, "the test's rollout log-probs are made up"
+        close(shortcut["rollout/logprob_diff_max"], gap, "rollout/logprob_diff_max")
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+            close(forward[key], shortcut[key], f"on-policy {key}")
+        for name, w in w_forward.items():
+            torch.testing.assert_close(w_shortcut[name], w, rtol=1e-5, atol=1e-6, msg=f"on-policy weights {name}")
+    two, _, _ = on_policy_update(pair.pools[0], dict(halves[rank]), False)
+    if rank == 0:
+        for key in shortcut:
+            if key != "actor/lr":
+                close(shortcut[key], two[key], f"on-policy 2 ranks {key}")
+        say(f"PASS on-policy old log-probs ({len(shortcut)} keys)")
+    two_epochs = C.load_config(None, ["actor.fsdp.param_dtype=float32", "actor.ppo_epochs=2"])
+    actor = Actor(model_path, two_epochs.actor, pair.pools[0], torch.device("cpu"), 0, 10, comm_cfg=two_epochs.comm,
+                  rollout_cfg=two_epochs.rollout)
+    no_old = {k: v for k, v in halves[rank].items() if k != "old_logprobs"}
+    no_old["advantages"] = no_old["response_mask"].clone()
+    try:
+        actor.update(no_old, 1.0, generator=torch.Generator())
+        raise AssertionError("two optimizer steps without old log-probs must be refused")
+    except ValueError as e:
+        assert "one optimizer step" in str(e), e
+    say(f"rank {rank} PASS no old log-probs, two steps refused")
+
     # one sample per rank, one sample per mini-batch asked for: no empty global mini-batch, no skipped step
     cfg = C.load_config(None, ["algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false",
                                "actor.fsdp.param_dtype=float32", "actor.mini_batch_size=1"])
