@@ -206,9 +206,8 @@ def test_greedy_ties_pick_the_first_token_as_argmax(chunks):
     logits[0, [2047, 2049]] = 5.0
     logits[1, [100, 4000]] = 5.0
     logits[2, [2048, 4999]] = 5.0
-    tokens, logprobs = kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, torch.zeros(1, dtype=torch.int32),
-                                                  torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
-                                                  None, None, chunks)
+    seed, zeros = torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.long, device=DEVICE)
+    tokens, logprobs = kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, seed, zeros, zeros, None, None, chunks)
     assert tokens.tolist() == [2047, 100, 2048, 0]
     torch.testing.assert_close(logprobs.cpu(), logits.log_softmax(-1)[torch.arange(4), tokens.cpu()])
 
