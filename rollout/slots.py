@@ -39,6 +39,18 @@ SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte
 DECODE_KERNELS = ("auto", "triton", "torch")
 KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
 COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
+# Dynamo counts compiled variants per code object over the whole process, and under fullgraph=True the one past its
+# recompile limit (default 8) is an error, not a fallback. Every engine of a process and every setting that is a
+# Python constant in these pieces (temperature, top-k/top-p, prefill vs decode, stop tokens, the kernels) adds
+# variants: a training run with greedy evals meets about 8 of sample_and_record, tests and benchmarks more.
+RECOMPILE_LIMIT = 64
+
+
+def compile_piece(fn: Callable, **options) -> Callable:
+    """torch.compile(fn, fullgraph=True) for a piece of the decode step, with Dynamo's recompile limit raised to
+    RECOMPILE_LIMIT for the process (never lowered). options: more torch.compile arguments (tests: backend)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, fullgraph=True, dynamic=COMPILE_DYNAMIC, **options)
 
 
 class SlotState(NamedTuple):
@@ -324,7 +336,7 @@ class SlotEngine:
         if not compiled:
             return fn
         if fn.__name__ not in self._compiled:
-            self._compiled[fn.__name__] = torch.compile(fn, fullgraph=True, dynamic=COMPILE_DYNAMIC)
+            self._compiled[fn.__name__] = compile_piece(fn)
         return self._compiled[fn.__name__]
 
     def _slot_count(self, w: DecoderWeights, slot_len: int, longest: int, num_seqs: int, device) -> int:
