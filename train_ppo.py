@@ -57,7 +57,7 @@ from roles.reference import Reference
 from roles.reward import Reward, decode_responses
 from rollout.api import stop_token_ids
 from rollout.native import RolloutOutput, SamplingParams
-from tasks.data import PromptDataset, PromptSampler, load_eval_records, load_prompt_records
+from tasks.data import PromptDataset, PromptSampler, load_eval_records, load_prompt_records, padding_id
 from tasks.offline import OfflineRollouts, load_offline_groups, rollout_files, write_rollouts
 
 log = logging.getLogger("meshrl")
@@ -101,8 +101,7 @@ class PPOTrainer:
         path = cfg.actor.model_path or cfg.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path,
                                                        trust_remote_code=cfg.model.trust_remote_code)
-        self.pad = pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
-            self.tokenizer.eos_token_id
+        self.pad = pad = padding_id(self.tokenizer, cfg.model.tokenizer_path or path)
         if cfg.data.rollouts_path:  # offline: logged responses and scores, no generation in the train steps
             files = rollout_files(C.path_list(cfg.data.rollouts_path))
             vocab = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).vocab_size

@@ -23,7 +23,7 @@ from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from roles.rm import encode_preferences, hold_out, load_reward_model, train_reward_model
 from roles.sft import save_hf
-from tasks.data import load_preference_records
+from tasks.data import load_preference_records, padding_id
 
 CONSOLE_KEYS = ("rm/loss", "rm/accuracy", "eval/accuracy", "eval/margin/mean", "eval/loss")
 
@@ -59,6 +59,7 @@ def main(argv: list[str]) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
                                                   trust_remote_code=cfg.model.trust_remote_code)
+        pad = padding_id(tokenizer, cfg.model.tokenizer_path or cfg.model.path)
         train, held_out, dropped = load_pairs(cfg, tokenizer)
     except (ValueError, OSError) as e:
         if rank == 0:
@@ -68,7 +69,6 @@ def main(argv: list[str]) -> int:
     layout = build_layout([C.PoolConfig("all", world, ["reward"], cfg.placement.tp, cfg.placement.dp_replicate)],
                           info.device.type)
     pool = layout.pools[0]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(cfg.run.seed)  # the fresh score head: the same on every rank before sharding
     model = shard_model(load_reward_model(cfg.model.path, pad, cfg.model.trust_remote_code).to(info.device), pool,
                         cfg.rm.fsdp)

@@ -340,6 +340,17 @@ class PromptSampler:
         self.epoch, self.position, self._order = state["epoch"], state["position"], None
 
 
+def padding_id(tokenizer: PreTrainedTokenizerBase, where: str) -> int:
+    """The id right-padded batches use: the tokenizer's pad token, else its eos token (many causal LMs ship without
+    a pad token; padding never reaches a loss). ValueError naming `where` (the tokenizer's folder) when it has
+    neither."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    raise ValueError(f"the tokenizer at {where} has neither a pad token nor an eos token: set pad_token (or "
+                     "eos_token) in its tokenizer_config.json / special_tokens_map.json")
+
+
 def shard_indices(indices: list[int], rank: int, world: int) -> list[int]:
     """This rank's contiguous block of a global batch; the batch must split evenly over `world` ranks."""
     if not 0 <= rank < world:

@@ -16,7 +16,7 @@ from conftest import explain, run_python, torchrun
 from roles.modeling import forward, load_value_model
 from roles.rm import bradley_terry_loss, encode_preferences, load_reward_model, pair_scores
 from tasks.char_tokenizer import build_char_tokenizer
-from tasks.data import load_preference_records
+from tasks.data import load_preference_records, padding_id
 from tasks.synthetic import make_addition_split
 from tasks.tiny_model import save_tiny_model
 
@@ -199,3 +199,21 @@ def test_preference_records_from_parquet_with_messages_and_margins(tmp_path):
         with pytest.raises(ValueError) as err:
             load_preference_records(write_jsonl(tmp_path / "bad.jsonl", [row]))
         assert needle in str(err.value)
+
+
+def test_a_tokenizer_without_pad_or_eos_exits_2_naming_it(tmp_path):
+    tokenizer = tiny_model(tmp_path / "init")
+    assert padding_id(tokenizer, "x") == tokenizer.pad_token_id
+    tokenizer.pad_token = None
+    assert padding_id(tokenizer, "x") == tokenizer.eos_token_id  # the causal-LM fallback
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "bare")
+    pairs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}])
+    cfg = {"run": {"device": "cpu", "output_dir": str(tmp_path / "runs")},
+           "model": {"path": str(tmp_path / "init"), "tokenizer_path": str(tmp_path / "bare")},
+           "rm": {"train_path": pairs, "batch_size": 1, "output_dir": str(tmp_path / "out")}}
+    proc = run_python(["train_rm.py", "--config", write_config(tmp_path / "c.yaml", cfg)])
+    assert proc.returncode == 2, explain(proc)
+    assert f"the tokenizer at {tmp_path / 'bare'} has neither a pad token nor an eos token" in proc.stderr, \
+        explain(proc)
+    assert not (tmp_path / "out").exists()
