@@ -145,7 +145,9 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
            "response_len": statistics.mean(r["response_length/mean"] for r in rows),
            "tokens": statistics.mean(r["perf/throughput"] * r["timing_s/step"] for r in rows)}
     for phase in ("gen", "old_logprobs", "update_actor", "reshard", "reward", "adv"):
-        out[phase] = [r.get(f"timing_s/{phase}", 0.0) for r in rows]
+        # a phase the run has not (old_logprobs with actor.old_logprobs=auto on this one-step update) is None
+        out[phase] = [r.get(f"timing_s/{phase}", 0.0) for r in rows] \
+            if any(f"timing_s/{phase}" in r for r in rows) else None
     out["start_s"] = rows[0].get("timing_s/startup") if rows else None
     out["memory_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
     # NVML, sampled during the steps (absent without pynvml): the whole device, NCCL and the engine's cache included
@@ -310,6 +312,11 @@ def main() -> None:
     report(results, args.peak_tflops)
 
 
+def phase_cell(result: dict, phase: str) -> str:
+    """A phase's steady seconds, or "-" for a phase the run does not have."""
+    return f"{steady(result[phase]):.3f}" if result.get(phase) else "-"
+
+
 def report(results: list[dict], peak_tflops: float) -> None:
     head = ("| model | lengths | system | steady s/step | first 3 steps s | start s | mean response | gen s | "
             "old logp s | update s | update MFU | update tok/s | sync s | vs TRL+vLLM |")
@@ -327,8 +334,8 @@ def report(results: list[dict], peak_tflops: float) -> None:
         if "update_actor" in r:
             upd = steady(r["update_actor"])
             mfu = 6 * r["params"] * r["tokens"] / upd / (peak_tflops * 1e12)
-            phases = [f"{steady(r['gen']):.3f}", f"{steady(r['old_logprobs']):.3f}", f"{upd:.3f}", f"{mfu:.1%}",
-                      f"{r['tokens'] / upd:,.0f}", f"{steady(r['reshard']):.3f}"]
+            phases = [phase_cell(r, "gen"), phase_cell(r, "old_logprobs"), f"{upd:.3f}", f"{mfu:.1%}",
+                      f"{r['tokens'] / upd:,.0f}", phase_cell(r, "reshard")]
         peer = peers.get((r["model"], r["lengths"]))
         ratio = f"{peer / s:.2f}x" if peer else "-"
         resp = f"{r['response_len']:.0f}" if r.get("response_len") else "-"

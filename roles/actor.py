@@ -13,6 +13,7 @@ from parallel.layout import Pool
 from roles.modeling import (
     ReplicaSync,
     UpdateMetrics,
+    disable_dropout,
     join_rows,
     load_causal_lm,
     lr_factor,
@@ -33,7 +34,7 @@ class Actor:
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
         self.replicas = ReplicaSync(comm_cfg, pool)
-        self.model = shard_model(load_causal_lm(path, trust_remote_code).to(device), pool, cfg.fsdp,
+        self.model = shard_model(disable_dropout(load_causal_lm(path, trust_remote_code)).to(device), pool, cfg.fsdp,
                                  replicate=self.replicas.replicated_by_fsdp)
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.pack = cfg.pack_sequences and packable(self.model)  # micro-batches cut by real tokens, forwards packed

@@ -54,6 +54,19 @@ def load_value_model(path: str, trust_remote_code: bool = False) -> nn.Module:
     )
 
 
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Every dropout of `model` off, in place (its nn.Dropout modules and the float rates HF attention modules read
+    in train mode): PPO's ratio and the values must not carry dropout noise, and the actor's update forward, in
+    train mode, must compute what its no-grad forwards do (TRL's `disable_dropout` does the same)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+    return model
+
+
 WIDTH_MULTIPLE = 16  # micro-batch widths are rounded up to this: fewer distinct shapes, tensor-core friendly
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 from algo.losses import logprobs_from_logits
 from batch import batch_size
@@ -16,6 +16,7 @@ from roles.modeling import (
     at_response,
     attention_mask,
     balanced_groups,
+    disable_dropout,
     forward,
     grad_norm_and_clip,
     greedy_runs,
@@ -358,3 +359,23 @@ def test_packed_micro_batches_split_by_real_tokens_and_train_as_one_padded_forwa
     assert total == pytest.approx(float(loss_ref.detach()), rel=1e-5, abs=1e-7)
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_disable_dropout_makes_train_mode_compute_what_eval_mode_does(arch):
+    """The actor and critic train with dropout off (roles/modeling.disable_dropout): the update's train-mode forward
+    then gives the no-grad forward's log-probs, which the on-policy old log-probs rely on. Qwen2 reads a float
+    attention rate, GPT-2 has nn.Dropout modules; both at 0.5 here."""
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)
+    else:
+        config = GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.5,
+                            embd_pdrop=0.5, attn_pdrop=0.5)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = model.eval()(input_ids=ids).logits
+    assert not torch.allclose(model.train()(input_ids=ids).logits, want), "the test model must have dropout"
+    assert disable_dropout(model) is model
+    torch.testing.assert_close(model.train()(input_ids=ids).logits, want, rtol=0, atol=0)
