@@ -269,6 +269,7 @@ class RewardConfig:
     timeout_s: float = 10.0
     max_error_fraction: float = 0.5  # a step whose share of failed samples (errors, timeouts, NaN) is above: stop
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    pack_sequences: bool = True  # the reward model's forwards, as actor.pack_sequences
 
 
 @dataclass

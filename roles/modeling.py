@@ -136,6 +136,7 @@ class PackedRows(NamedTuple):
     source: torch.Tensor  # [rows, C] long: index into input_ids.view(-1) of each packed token, -1 for padding
     position_ids: torch.Tensor  # [rows, C] long: 0.. within each sample (and within the row's padding)
     gather: torch.Tensor  # [B * R] long: index into the [rows * C] packed positions predicting each response token
+    last: torch.Tensor  # [B] long: index into the [rows * C] packed positions of each sample's last token
 
 
 def packed_rows(batch: Batch) -> PackedRows | None:
@@ -167,7 +168,8 @@ def packed_rows(batch: Batch) -> PackedRows | None:
     last = torch.tensor([max(f - p - 1, 0) for p, f in zip(prompt, full)])[:, None]
     # the position before each response token; past a response's end, its last one (masked out by the caller)
     gather = torch.tensor(start)[:, None] + torch.tensor(prompt)[:, None] - 1 + torch.minimum(t, last)
-    return PackedRows(source, position_ids, gather.reshape(-1))
+    ends = torch.tensor([s + max(f, 1) - 1 for s, f in zip(start, full)])
+    return PackedRows(source, position_ids, gather.reshape(-1), ends)
 
 
 def packable(model: nn.Module) -> bool:
@@ -177,16 +179,17 @@ def packable(model: nn.Module) -> bool:
                                                                                        "norm")
 
 
-def _packed_outputs(model: nn.Module, batch: Batch, packed: PackedRows) -> torch.Tensor:
+def _packed_outputs(model: nn.Module, batch: Batch, packed: PackedRows, at_last: bool = False) -> torch.Tensor:
     """The model's per-position outputs (logits, values) [B, R, ...] from one forward over the packed rows. HF builds
     the block-causal mask from the position ids (no attention_mask: a new sequence starts wherever the position does
     not grow by one); a forward hook on the final norm keeps only the positions in packed.gather, so the head (LM
-    head, value head) sees B x R rows and no prompt position."""
+    head, value head) sees B x R rows and no prompt position. at_last: only each sample's last token instead
+    (packed.last): [B, 1, ...]."""
     ids = batch["input_ids"]
     device = ids.device
     source = packed.source.to(device)
     packed_ids = torch.where(source >= 0, ids.reshape(-1)[source.clamp(min=0)], 0)
-    gather = packed.gather.to(device)
+    gather = (packed.last if at_last else packed.gather).to(device)
 
     def keep(module, args, output):
         return output.reshape(-1, output.shape[-1])[gather][None]
@@ -197,7 +200,7 @@ def _packed_outputs(model: nn.Module, batch: Batch, packed: PackedRows) -> torch
             logits = model(input_ids=packed_ids, position_ids=packed.position_ids.to(device), use_cache=False).logits
     finally:
         handle.remove()
-    return logits.view(ids.shape[0], batch["response_mask"].shape[1], -1)
+    return logits.view(ids.shape[0], 1 if at_last else batch["response_mask"].shape[1], -1)
 
 
 def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch.Tensor:
@@ -237,6 +240,17 @@ def response_values(model: nn.Module, batch: Batch, pack: bool = False) -> torch
         if packed is not None:
             return _packed_outputs(model, batch, packed).squeeze(-1).float()
     return at_response(forward(model, batch).squeeze(-1), batch).float()
+
+
+def last_token_values(model: nn.Module, batch: Batch, pack: bool = False) -> torch.Tensor:
+    """A value model's output [B] (float32) at each sample's last token (a reward model's score); pack as in
+    response_logits, with only the last tokens reaching the head."""
+    if pack and "lengths_host" in batch and packable(model):
+        packed = packed_rows(batch)
+        if packed is not None:
+            return _packed_outputs(model, batch, packed, at_last=True).reshape(-1).float()
+    values = forward(model, batch).squeeze(-1).float()
+    return values.gather(1, (seq_len(batch) - 1).clamp(min=0)[:, None]).squeeze(1)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -9,7 +9,7 @@ from batch import Batch
 from parallel.distributed import reducer
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
-from roles.modeling import forward, join_values, load_value_model, micro_batches, seq_len
+from roles.modeling import join_values, last_token_values, load_value_model, micro_batches, packable
 from tasks.rewards import RewardFunctionRunner
 
 
@@ -28,6 +28,8 @@ class Reward:
         if cfg.model_path:
             model = load_value_model(cfg.model_path, trust_remote_code).to(device).eval().requires_grad_(False)
             self.model = shard_model(model, pool, cfg.fsdp, train=False)
+        # micro-batches cut by real tokens and packed forwards (as the actor's, roles/modeling.packed_rows)
+        self.pack = cfg.pack_sequences and self.model is not None and packable(self.model)
         self.functions = [(RewardFunctionRunner(f.spec, cfg.num_workers, cfg.timeout_s), f.weight, f.spec)
                           for f in cfg.functions]
         self.failures = {"reward_fn/errors": 0.0, "reward_fn/timeouts": 0.0}  # since the last take_failures()
@@ -71,11 +73,8 @@ class Reward:
         sums: dict[str, float] = {}
         texts = decode_responses(self.tokenizer, batch)
         if self.model is not None:
-            parts = []
-            micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group)
-            for mb in micro:
-                values = forward(self.model, mb).squeeze(-1).float()
-                parts.append(values.gather(1, (seq_len(mb) - 1).clamp(min=0)[:, None]).squeeze(1))
+            micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group, self.pack)
+            parts = [last_token_values(self.model, mb, self.pack) for mb in micro]
             model_scores = join_values(parts, micro, n).to(device)
             total += self.cfg.model_weight * model_scores
             sums["reward/model_score/mean"] = float(model_scores.sum())

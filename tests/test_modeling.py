@@ -21,6 +21,7 @@ from roles.modeling import (
     grad_norm_and_clip,
     greedy_runs,
     join_rows,
+    last_token_values,
     length_groups,
     micro_batches,
     pack_rows,
@@ -294,6 +295,30 @@ def test_packed_values_give_the_values_and_gradients_of_the_padded_ones():
     torch.testing.assert_close(v_b, v_a, rtol=1e-5, atol=1e-6)
     for name, g in g_a.items():
         torch.testing.assert_close(g_b[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_reward_scores_are_the_padded_ones_at_each_last_token():
+    """The reward model's path (roles/reward.py): a one-label head read at each sample's last token, packed against
+    padded, and against a loop that scores each sample alone."""
+    from transformers import AutoModelForTokenClassification
+
+    prompts, responses = [3, 9, 2, 5, 4, 6, 4, 6], [12, 2, 15, 7, 1, 9, 12, 30]
+    batch = random_batch(prompts, responses, seed=7)
+    (mb,) = micro_batches(batch, token_budget=10_000, group=None, packed=True)
+    assert packed_rows(mb) is not None
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1)
+    model = AutoModelForTokenClassification.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        padded, packed = last_token_values(model, mb), last_token_values(model, mb, pack=True)
+        alone = []
+        for i in mb["row_index"].tolist():
+            n = int(batch["prompt_len"][i] + batch["response_len"][i])
+            alone.append(float(model(input_ids=batch["input_ids"][i : i + 1, :n]).logits[0, n - 1, 0]))
+    want = torch.tensor(alone)
+    torch.testing.assert_close(padded, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed, want, rtol=1e-5, atol=1e-5)
 
 
 def test_balanced_groups_even_out_the_token_sums():
