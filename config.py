@@ -298,7 +298,11 @@ class RMConfig:
     margin_key: str = "margin"  # a number the chosen score must beat the rejected one by; 0 where absent
     steps: int = 100
     batch_size: int = 16  # pairs per step over all data-parallel ranks (also the eval chunk)
+    micro_batch_pairs: int = 0  # pairs per forward/backward on one rank (gradient accumulation); 0: its whole share
     lr: float = 1e-5
+    warmup_steps: int = 0  # linear from 0, then the schedule
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0  # cosine's floor at rm.steps, as a share of lr
     eval_every: int = 0  # steps; 0: evaluate only at the start and the end
     max_len: int = 1024  # tokens of prompt + response; pairs with a longer side are dropped and counted
     output_dir: str = "runs/rm_model"  # the HF sequence-classification folder reward.model_path can name
@@ -803,6 +807,7 @@ def check_sft(cfg: Config, world_size: int) -> None:
 
 RM_RANGES = (
     ("rm.steps", "[0, inf)"), ("rm.batch_size", "[1, inf)"), ("rm.lr", "[0, inf)"), ("rm.eval_every", "[0, inf)"),
+    ("rm.micro_batch_pairs", "[0, inf)"), ("rm.warmup_steps", "[0, inf)"), ("rm.min_lr_ratio", "[0, 1]"),
     ("rm.eval_fraction", "[0, 1)"), ("rm.max_len", "[1, inf)"), ("run.log_every", "[1, inf)"),
     ("distributed.timeout_s", "[1, inf)"),
 )

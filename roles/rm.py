@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from parallel.distributed import reducer
 from parallel.layout import Pool
-from roles.modeling import grad_norm_and_clip
+from roles.modeling import grad_norm_and_clip, lr_factor
 from roles.sft import encode_pairs
 from rollout.api import ATTENTION_BACKENDS
 from tasks.data import PromptSampler, shard_indices
@@ -137,7 +137,8 @@ def train_reward_model(model: nn.Module, train: list[Pair], held_out: list[Pair]
                        device: torch.device, pool: Pool, emit: Callable[[int, dict], None]) -> dict[str, float]:
     """AdamW on batches of cfg.batch_size pairs drawn epoch by epoch (tasks.data.PromptSampler: the same batches for
     any number of ranks), each dp rank its block, the loss the batch's mean. emit(step, metrics) on every rank after
-    every step: rm/loss, rm/accuracy, rm/margin/mean of the batch, rm/grad_norm, and the held-out metrics at step 0,
+    every step: rm/loss, rm/accuracy, rm/margin/mean of the batch, rm/grad_norm, rm/lr (cfg.lr through warmup and
+    schedule, roles.modeling.lr_factor), and the held-out metrics at step 0,
     every cfg.eval_every steps and at the end (none without held-out pairs). Returns the last held-out metrics.
     cfg: config.RMConfig."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
@@ -148,21 +149,32 @@ def train_reward_model(model: nn.Module, train: list[Pair], held_out: list[Pair]
         emit(0, last)
     model.train()
     for step in range(1, cfg.steps + 1):
+        lr = cfg.lr * lr_factor(step - 1, cfg, cfg.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         mine = [train[i] for i in shard_indices(sampler.next_batch(), pool.dp_rank, pool.dp_size)]
-        chosen, rejected = pair_scores(model, mine, device)
-        margin = margins(mine, chosen.device)
-        # this rank's part of the batch mean; FSDP averages the gradients over the dp ranks, hence x dp_size. The
-        # attention backends again: activation checkpointing recomputes the forward inside backward
-        loss = bradley_terry_loss(chosen, rejected, margin).sum() / cfg.batch_size * pool.dp_size
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            loss.backward()
+        # every rank holds batch_size / dp pairs, so every rank runs the same number of micro-batches (each forward
+        # of the sharded model is a collective)
+        size = cfg.micro_batch_pairs or len(mine)
+        sums = None
+        for start in range(0, len(mine), size):
+            part = mine[start : start + size]
+            chosen, rejected = pair_scores(model, part, device)
+            margin = margins(part, chosen.device)
+            # this part's share of the batch mean; FSDP averages the gradients over the dp ranks, hence x dp_size.
+            # The attention backends again: activation checkpointing recomputes the forward inside backward
+            loss = bradley_terry_loss(chosen, rejected, margin).sum() / cfg.batch_size * pool.dp_size
+            with sdpa_kernel(ATTENTION_BACKENDS):
+                loss.backward()
+            part_sums = pair_sums(chosen.detach(), rejected.detach(), margin)
+            sums = part_sums if sums is None else sums + part_sums
         norm = grad_norm_and_clip(model, 1.0)
         if torch.isfinite(norm):
             optimizer.step()
         else:
             log.warning("rm step %d: non-finite gradient norm, update skipped", step)
         optimizer.zero_grad(set_to_none=True)
-        metrics = {**metrics_of(reduce(pair_sums(chosen, rejected, margin)), "rm"), "rm/grad_norm": float(norm)}
+        metrics = {**metrics_of(reduce(sums), "rm"), "rm/grad_norm": float(norm), "rm/lr": lr}
         if held_out and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             last = evaluate(model, held_out, cfg.batch_size, device, pool)
             metrics.update(last)

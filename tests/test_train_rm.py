@@ -152,14 +152,20 @@ def test_metrics_are_the_same_on_one_and_two_ranks(tmp_path):
     cfg = {"run": {"device": "cpu", "seed": 0, "output_dir": str(tmp_path / "runs"), "tensorboard": False},
            "model": {"path": str(tmp_path / "init")},
            "rm": {"train_path": write_jsonl(tmp_path / "pairs.jsonl", rows), "eval_fraction": 0.3, "steps": 3,
-                  "batch_size": 4, "lr": 1e-3, "fsdp": {"param_dtype": "float32"}}}
+                  "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine", "min_lr_ratio": 0.1,
+                  "fsdp": {"param_dtype": "float32"}}}
     path = write_config(tmp_path / "c.yaml", cfg)
     one = run_python(["train_rm.py", "--config", path, "run.name=one", f"rm.output_dir={tmp_path / 'one'}"])
     assert one.returncode == 0, explain(one)
-    two = torchrun(["train_rm.py", "--config", path, "run.name=two", f"rm.output_dir={tmp_path / 'two'}"], nproc=2)
+    # two ranks, and gradient accumulation over one pair per forward: the same steps
+    two = torchrun(["train_rm.py", "--config", path, "run.name=two", f"rm.output_dir={tmp_path / 'two'}",
+                    "rm.micro_batch_pairs=1"], nproc=2)
     assert two.returncode == 0, explain(two)
     a, b = (read_metrics(tmp_path / "runs" / name / "metrics.jsonl") for name in ("one", "two"))
     assert [m["step"] for m in a] == [0, 1, 2, 3] and a[0]["eval/pairs"] == 7
+    # one warmup step (factor 1 / 1), then cosine from 1 at step index 1 to 0.1 at 3: half way at index 2, where
+    # 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55
+    assert [m["rm/lr"] for m in a[1:]] == pytest.approx([1e-3, 1e-3, 0.55e-3])
     assert [sorted(m) for m in a] == [sorted(m) for m in b]
     for x, y in zip(a, b):
         assert x == pytest.approx(y, rel=1e-5, abs=1e-7), (x, y)  # float rounding of other batch shapes
