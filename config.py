@@ -656,6 +656,13 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
     if cfg.algorithm.filters.dynamic_sampling and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.filters.dynamic_sampling=true with rollout.n={cfg.rollout.n}: it drops groups "
                           "whose samples all score the same, i.e. every group of one; set rollout.n >= 2")
+    r = cfg.rollout
+    truncated = r.top_p < 1 or r.top_k > 0
+    if cfg.actor.tis_cap is not None and truncated and r.engine == "native" and not cfg.data.rollouts_path:
+        raise ConfigError(f"actor.tis_cap with rollout.top_p={r.top_p} / top_k={r.top_k}: truncated importance "
+                          "sampling weighs by the probability a token was sampled with, and the native engine "
+                          "reports log-probs before the top-k/top-p cut (the weights would ignore it); sample "
+                          "with top_p=1 and top_k=0, or use rollout.engine=vllm, whose log-probs are after the cut")
     if cfg.rollout.engine == "vllm":
         check_vllm(cfg, world_size, this_machine)
     elif cfg.rollout.decode_kernels == "triton":

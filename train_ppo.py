@@ -9,6 +9,7 @@ Every rank runs this file; the layout decides which roles it hosts. `PPOTrainer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -393,7 +394,10 @@ class PPOTrainer:
         """After the first weight sync: the engine's log-probs of its own samples against the actor's teacher-forced
         ones on the first train prompts. A mean gap far beyond bf16 noise means the weights did not arrive as the
         actor has them (a name mapping or sleep-level bug): stop before training on them."""
-        batch = self._generate(self.train_set, list(range(min(8, len(self.train_set)))), self.train_params)
+        # without top-k / top-p: vLLM's log-probs are taken after the cut, the actor's before it, and the check
+        # compares weights, not truncations
+        whole = dataclasses.replace(self.train_params, top_p=1.0, top_k=0)
+        batch = self._generate(self.train_set, list(range(min(8, len(self.train_set)))), whole)
         old = self.actor.log_probs(batch, self.cfg.rollout.temperature)
         mask = batch["response_mask"]
         totals = self.dp_reduce(torch.stack([((old - batch["rollout_logprobs"]).abs() * mask).sum(), mask.sum()]))
@@ -424,7 +428,7 @@ class PPOTrainer:
         to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
         scores = {}
         if self.reward is not None:
-            s, _, _ = self.reward.scores(to_reward, self.eval_set.items)
+            s, _, _ = self.reward.scores(to_reward, self.eval_set.items, training=False)
             scores = {"scores": s}
         # the prompts were dealt round-robin, so the actor ranks' shares differ by one: each asks for its own back
         rows = batch["input_ids"].shape[0] if batch is not None else None

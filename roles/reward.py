@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -11,6 +13,8 @@ from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import join_values, last_token_values, load_value_model, micro_batches, packable
 from tasks.rewards import RewardFunctionRunner
+
+log = logging.getLogger(__name__)
 
 
 def decode_responses(tokenizer, batch: Batch) -> list[str]:
@@ -60,13 +64,16 @@ class Reward:
             runner.close()
 
     @torch.no_grad()
-    def scores(self, batch: Batch, records: list[dict]) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+    def scores(self, batch: Batch, records: list[dict], training: bool = True
+               ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
         """Scores [B] (float32): model_weight x the model's score at the last token + sum of weight x function.
         `records[batch["prompt_index"][i]]` holds the sample's ground truth and prompt text.
 
         With tensor parallelism the tp peers hold the same samples: the reward functions run once, on tp rank 0,
         and its scores are broadcast, so a timeout or a non-deterministic judge cannot give the peers different
-        batches (and only tp rank 0 counts failures). The metrics are means over the whole pool's samples."""
+        batches (and only tp rank 0 counts failures). The metrics are means over the whole pool's samples.
+        training: too many failed samples set `fatal` (the trainer stops before the update); False (evaluation): they
+        are logged as a warning and score 0, and training goes on."""
         n = batch["response_ids"].shape[0]
         device = batch["response_ids"].device
         total = torch.zeros(n, dtype=torch.float32, device=device)
@@ -79,7 +86,7 @@ class Reward:
             total += self.cfg.model_weight * model_scores
             sums["reward/model_score/mean"] = float(model_scores.sum())
         if self.functions:
-            fn_total, fn_sums = self._function_scores(batch, records, texts)
+            fn_total, fn_sums = self._function_scores(batch, records, texts, training)
             total += fn_total.to(device)
             sums.update(fn_sums)
         # one reduction over the pool's data-parallel ranks: sample count, then each mean's sum
@@ -88,11 +95,11 @@ class Reward:
         metrics = {k: float(totals[i + 1] / totals[0]) for i, k in enumerate(keys)} if totals[0] > 0 else {}
         return total, metrics, texts
 
-    def _function_scores(self, batch: Batch, records: list[dict], texts: list[str]
+    def _function_scores(self, batch: Batch, records: list[dict], texts: list[str], training: bool = True
                          ) -> tuple[torch.Tensor, dict[str, float]]:
         """sum of weight x function over the configured functions [B] (CPU), and each function's score sum.
-        Sets `fatal` when more than reward.max_error_fraction of the pool's samples failed (errors, timeouts,
-        non-finite or non-numeric results) in this call."""
+        When more than reward.max_error_fraction of the pool's samples failed (errors, timeouts, non-finite or
+        non-numeric results) in this call: sets `fatal` (training), or logs a warning (evaluation)."""
         lead = self.pool.tp == 1 or self.pool.tp_rank == 0
         result = [None, None]
         failed, first_error = set(), None
@@ -118,7 +125,12 @@ class Reward:
             dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
         counts = reducer(self.pool.dp_group)(torch.tensor([float(len(failed)), float(len(texts) if lead else 0)]))
         if counts[1] > 0 and counts[0] / counts[1] > self.cfg.max_error_fraction:
-            self.fatal = (f"reward functions failed on {int(counts[0])} of {int(counts[1])} samples of this step "
-                          f"(reward.max_error_fraction={self.cfg.max_error_fraction}); a failure of this rank's:\n"
-                          f"{first_error or '(on another rank)'}")
+            if training:
+                self.fatal = (f"reward functions failed on {int(counts[0])} of {int(counts[1])} samples of this step "
+                              f"(reward.max_error_fraction={self.cfg.max_error_fraction}); a failure of this "
+                              f"rank's:\n{first_error or '(on another rank)'}")
+            elif self.pool.dp_rank == 0 and lead:
+                log.warning("evaluation: reward functions failed on %d of %d samples (scored 0; training goes on); "
+                            "a failure of this rank's: %s", int(counts[0]), int(counts[1]),
+                            first_error or "(on another rank)")
         return result[0], result[1]

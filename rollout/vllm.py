@@ -172,7 +172,9 @@ class VLLMEngine:
         limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
 
         def generate_all(batch: list) -> list:
-            seeds = [base + i for i in range(len(batch))]
+            # vLLM seeds a request's n samples seed, seed + 1, ..., seed + n - 1: a stride of n keeps every sample's
+            # stream its own (base + i would give sample j + 1 of prompt i and sample j of prompt i + 1 one stream)
+            seeds = [base + i * params.n for i in range(len(batch))]
             shared = [seeds]
             if self.group is not None and dist.get_world_size(self.group) > 1:
                 dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)

@@ -154,6 +154,8 @@ def test_shipped_configs_load():
     ("algorithm.kl.loss_kind=abs", "algorithm.kl.loss_kind=abs"),
     ("algorithm.kl.kind=k3", "algorithm.kl.kind is no longer a key: it was split in two"),
     ("algorithm.kl.controller=adaptive algorithm.kl.coef=0", "the adaptive controller scales the coefficient"),
+    ("actor.tis_cap=2 rollout.top_p=0.9", "the native engine reports log-probs before the top-k/top-p cut"),
+    ("actor.tis_cap=2 rollout.top_k=50", "actor.tis_cap with rollout.top_p=1.0 / top_k=50"),
 ])
 def test_values_that_would_fail_at_step_one_fail_at_config_time(override, needle):
     with pytest.raises(C.ConfigError) as err:
@@ -161,6 +163,11 @@ def test_values_that_would_fail_at_step_one_fail_at_config_time(override, needle
                                    *override.split()])
         C.check_ppo(cfg, 1)
     assert needle in str(err.value)
+
+
+def test_tis_with_the_whole_distribution_is_fine():
+    C.check_ppo(C.load_config(None, ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]",
+                                     "actor.tis_cap=2", "rollout.top_p=1.0", "rollout.top_k=0"]), 1)
 
 
 def test_kl_estimators_default_per_use():

@@ -127,6 +127,24 @@ def test_same_seed_same_metrics_and_a_failing_reward_does_not_stop_training(asse
     assert strip(outs[0]) == strip(outs[1])
 
 
+def test_reward_failures_on_the_eval_set_warn_and_do_not_stop_training(assets, tmp_path):
+    """Evaluation scores through the same reward functions: failures there score 0 and are logged, but only a
+    training step's own failures stop the run (they used to stop the step after a failing eval)."""
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps({"prompt": f"{i}+1=", "ground_truth": "eval-only"}) + "\n"
+                                 for i in range(4)))
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 2, "eval_every": 1},
+                       data={"eval_path": str(eval_file)},
+                       reward={"functions": [{"spec": "tests.user_rewards:fails_on_eval"}]})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("actor/pg_loss" in r for r in rows[1:]), rows
+    # every eval sample failed; the training rows count the evals before steps 1 and 2 (4 prompts x eval_n 1 each)
+    assert rows[0]["eval/score/mean"] == 0.0 and sum(r.get("reward_fn/errors", 0) for r in rows) == 2 * 4
+    assert "evaluation: reward functions failed on" in proc.stderr, explain(proc)
+
+
 def test_missing_prompt_column_names_file_and_column(assets, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1=", "ground_truth": "2"}\n')

@@ -90,3 +90,11 @@ def always_raises(response, ground_truth, prompt):
     if response == ground_truth:
         return 1.0
     raise RuntimeError(f"deliberate failure on {response!r}")
+
+
+def fails_on_eval(response, ground_truth, prompt):
+    """ones_fraction on the train prompts; raises on the samples of prompts whose ground truth is "eval-only" (the
+    start-up call, with the ground truth as the response, passes)."""
+    if ground_truth == "eval-only" and response != ground_truth:
+        raise RuntimeError(f"deliberate eval failure on {response!r}")
+    return ones_fraction(response, ground_truth, prompt)
