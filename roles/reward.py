@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,31 @@ def decode_responses(tokenizer, batch: Batch) -> list[str]:
     return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
 
 
+def check_same_tokens(model_path: str, tokenizer, trust_remote_code: bool = False) -> None:
+    """The reward model reads the policy's token ids: ValueError unless its folder's tokenizer has the same
+    vocabulary (or, without a tokenizer there, its embedding holds every id of the policy's)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    own = None
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not os.path.isdir(model_path) or any(os.path.exists(os.path.join(model_path, f)) for f in files):
+        try:
+            own = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            own = None
+    if own is not None:
+        if own.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"reward.model_path={model_path}: its tokenizer's vocabulary differs from the policy's "
+                             f"({len(own)} vs {len(tokenizer)} tokens): the reward model would read the policy's "
+                             "token ids as other tokens. Use a reward model trained on the policy's tokenizer "
+                             "(train_rm.py from the same base model)")
+        return
+    vocab = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).vocab_size
+    if vocab < len(tokenizer):
+        raise ValueError(f"reward.model_path={model_path}: its vocabulary has {vocab} tokens, the policy's tokenizer "
+                         f"{len(tokenizer)}: the reward model cannot read the policy's token ids")
+
+
 class Reward:
     def __init__(self, cfg, pool: Pool, device: torch.device, tokenizer, micro_batch_tokens: int,
                  trust_remote_code: bool = False):
@@ -30,6 +56,7 @@ class Reward:
         self.cfg, self.pool, self.tokenizer, self.micro_batch_tokens = cfg, pool, tokenizer, micro_batch_tokens
         self.model = None
         if cfg.model_path:
+            check_same_tokens(cfg.model_path, tokenizer, trust_remote_code)
             model = load_value_model(cfg.model_path, trust_remote_code).to(device).eval().requires_grad_(False)
             self.model = shard_model(model, pool, cfg.fsdp, train=False)
         # micro-batches cut by real tokens and packed forwards (as the actor's, roles/modeling.packed_rows)

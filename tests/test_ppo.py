@@ -145,6 +145,31 @@ def test_reward_failures_on_the_eval_set_warn_and_do_not_stop_training(assets, t
     assert "evaluation: reward functions failed on" in proc.stderr, explain(proc)
 
 
+def test_a_reward_model_with_another_tokenizer_exits_2_naming_it(assets, tmp_path):
+    other = tmp_path / "rm_other_tokens"
+    save_tiny_model(other, build_char_tokenizer("abcdefghij+="), hidden_size=32, num_layers=1, num_heads=4,
+                    num_kv_heads=2, intermediate_size=64, max_position_embeddings=64, seed=0)
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", reward={"model_path": str(other)})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert f"reward.model_path={other}: its tokenizer's vocabulary differs from the policy's" in proc.stderr, \
+        explain(proc)
+    # a folder without a tokenizer: its embedding must hold every id of the policy's
+    from transformers import AutoTokenizer
+
+    from roles.reward import check_same_tokens
+
+    bare = tmp_path / "rm_without_tokenizer"
+    bare.mkdir()
+    config = json.loads((assets / "model" / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "vocab_size": 5}))
+    policy = AutoTokenizer.from_pretrained(assets / "model")
+    with pytest.raises(ValueError, match=f"its vocabulary has 5 tokens, the policy's tokenizer {len(policy)}"):
+        check_same_tokens(str(bare), policy)
+    (bare / "config.json").write_text(json.dumps(config))
+    check_same_tokens(str(bare), policy)
+
+
 def test_missing_prompt_column_names_file_and_column(assets, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1=", "ground_truth": "2"}\n')
