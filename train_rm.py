@@ -37,8 +37,9 @@ def load_pairs(cfg: C.Config, tokenizer) -> tuple[list, list, int]:
         train, held_out = records, load_preference_records(rm.eval_path, *keys)
     else:
         train, held_out = hold_out(records, rm.eval_fraction, cfg.run.seed)
-    train_pairs, dropped = encode_preferences(train, tokenizer, rm.max_len)
-    eval_pairs, dropped_eval = encode_preferences(held_out, tokenizer, rm.max_len)
+    template = dict(chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
+    train_pairs, dropped = encode_preferences(train, tokenizer, rm.max_len, **template)
+    eval_pairs, dropped_eval = encode_preferences(held_out, tokenizer, rm.max_len, **template)
     where = f"{rm.train_path}" + (f" ({len(held_out)} of its pairs held out)" if rm.eval_path is None else "")
     if len(train_pairs) < rm.batch_size:
         raise ValueError(f"{where}: {len(train_pairs)} training pairs (after dropping {dropped} with a side longer "

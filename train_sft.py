@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
     try:
         records = load_sft_records(cfg.sft.train_path, cfg.sft.prompt_key, cfg.sft.response_key)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        pairs = encode_pairs(records, tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
     except (ValueError, OSError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(cfg.run.seed)
     model = shard_model(load_causal_lm(cfg.model.path, cfg.model.trust_remote_code).to(info.device), pool,
                         cfg.actor.fsdp)
-    sft_train(model, encode_pairs(records, tokenizer), cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.run.seed,
+    sft_train(model, pairs, cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.run.seed,
               info.device, pool)
     save_hf(model, tokenizer, cfg.sft.output_dir, rank)
     dist.barrier()

@@ -48,12 +48,15 @@ def load_reward_model(path: str, pad_token_id: int, trust_remote_code: bool = Fa
     return model
 
 
-def encode_preferences(records: list[dict], tokenizer, max_len: int) -> tuple[list[Pair], int]:
+def encode_preferences(records: list[dict], tokenizer, max_len: int, chat_template: bool | None = None,
+                       system_prompt: str | None = None) -> tuple[list[Pair], int]:
     """(chosen ids, rejected ids, margin) per record: each side is prompt + response + eos as roles/sft.encode_pairs
-    builds it (chat prompts templated with the generation prompt, as train_ppo.py's prompts are), i.e. the tokens PPO
+    builds it (prompts templated as train_ppo.py's are: data.chat_template, data.system_prompt), i.e. the tokens PPO
     later scores. Pairs with a side longer than max_len tokens are dropped; returns the pairs and how many."""
-    chosen = encode_pairs([{"prompt": r["prompt"], "response": r["chosen"]} for r in records], tokenizer)
-    rejected = encode_pairs([{"prompt": r["prompt"], "response": r["rejected"]} for r in records], tokenizer)
+    template = dict(chat_template=chat_template, system_prompt=system_prompt)
+    chosen = encode_pairs([{"prompt": r["prompt"], "response": r["chosen"]} for r in records], tokenizer, **template)
+    rejected = encode_pairs([{"prompt": r["prompt"], "response": r["rejected"]} for r in records], tokenizer,
+                            **template)
     pairs = [(c, r, rec["margin"]) for (c, _), (r, _), rec in zip(chosen, rejected, records)
              if max(len(c), len(r)) <= max_len]
     return pairs, len(records) - len(pairs)

@@ -12,18 +12,18 @@ from transformers import AutoModelForCausalLM
 
 from parallel.layout import Pool
 from roles.modeling import grad_norm_and_clip
+from tasks.data import render_prompts
 
 
-def encode_pairs(records: list[dict], tokenizer) -> list[tuple[list[int], int]]:
-    """(prompt + response + eos token ids, prompt length) per pair. A prompt given as chat messages is templated
-    with the tokenizer's chat template and ends with the generation prompt, as train_ppo.py builds its prompts."""
+def encode_pairs(records: list[dict], tokenizer, chat_template: bool | None = None,
+                 system_prompt: str | None = None) -> list[tuple[list[int], int]]:
+    """(prompt + response + eos token ids, prompt length) per pair. Prompts are encoded as train_ppo.py encodes
+    its own (tasks.data.render_prompts with data.chat_template and data.system_prompt: chat messages templated with
+    the generation prompt; text as is, or templated with chat_template=True)."""
+    _, prompts = render_prompts([{"prompt": r["prompt"], "where": r.get("where", f"record {i}")}
+                                 for i, r in enumerate(records)], tokenizer, chat_template, system_prompt)
     out = []
-    for r in records:
-        if isinstance(r["prompt"], list):
-            text = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            prompt = tokenizer(r["prompt"])["input_ids"]
+    for r, prompt in zip(records, prompts):
         response = tokenizer(r["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         out.append((prompt + response, len(prompt)))
     return out

@@ -187,6 +187,52 @@ def load_preference_records(path: str | Path, prompt_key: str = "prompt", chosen
     return records
 
 
+def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase, chat_template: bool | None = None,
+                   system_prompt: str | None = None) -> tuple[list[str], list[list[int]]]:
+    """(rendered text, token ids) of each record's "prompt" (text or chat messages), templated as PromptDataset's
+    docstring says; train_sft.py and train_rm.py encode their prompts with it too, so a model fine-tuned or scored
+    there sees the prompts train_ppo.py generates from."""
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if chat_template and not has_template:
+        raise ValueError("chat_template=True but the tokenizer has no chat template; set one or pass None/False")
+
+    prompt_texts, templated = [], []
+    for i, record in enumerate(records):
+        where = record.get("where", f"record {i}")
+        prompt = _check_prompt(record["prompt"], where)
+        if isinstance(prompt, str) and not chat_template:
+            if system_prompt is not None:
+                raise ValueError(f"{where}: a system prompt is set but this text prompt is not templated; "
+                                 "template text prompts too (data.chat_template=true) or drop the system prompt")
+            prompt_texts.append(prompt)
+            templated.append(False)
+            continue
+        if chat_template is False:
+            raise ValueError(f"{where}: the prompt is a list of chat messages but chat_template=False")
+        if not has_template:
+            raise ValueError(
+                f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
+                "set tokenizer.chat_template or give prompts as text"
+            )
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if system_prompt is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        prompt_texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        templated.append(True)
+
+    # Rendering then encoding without special tokens is what apply_chat_template(tokenize=True) does, since the
+    # template writes its own; doing it in two steps keeps the rendered text and lets one call encode them all.
+    prompt_ids: list[list[int]] = [[] for _ in records]
+    for is_templated in (True, False):
+        at = [i for i, t in enumerate(templated) if t == is_templated]
+        if at:
+            encoded = tokenizer([prompt_texts[i] for i in at], add_special_tokens=not is_templated)["input_ids"]
+            for i, ids in zip(at, encoded):
+                prompt_ids[i] = ids
+
+    return prompt_texts, prompt_ids
+
+
 class PromptDataset:
     """Tokenised prompts: items `{"prompt_ids": list[int], "ground_truth": str | None, "prompt_text": str,
     "columns": dict}`.
@@ -211,43 +257,7 @@ class PromptDataset:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be at least 1")
         if not records:
             raise ValueError("PromptDataset got no records")
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        if chat_template and not has_template:
-            raise ValueError("chat_template=True but the tokenizer has no chat template; set one or pass None/False")
-
-        prompt_texts, templated = [], []
-        for i, record in enumerate(records):
-            where = record.get("where", f"record {i}")
-            prompt = _check_prompt(record["prompt"], where)
-            if isinstance(prompt, str) and not chat_template:
-                if system_prompt is not None:
-                    raise ValueError(f"{where}: a system prompt is set but this text prompt is not templated; "
-                                     "template text prompts too (data.chat_template=true) or drop the system prompt")
-                prompt_texts.append(prompt)
-                templated.append(False)
-                continue
-            if chat_template is False:
-                raise ValueError(f"{where}: the prompt is a list of chat messages but chat_template=False")
-            if not has_template:
-                raise ValueError(
-                    f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
-                    "set tokenizer.chat_template or give prompts as text"
-                )
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            if system_prompt is not None and messages[0].get("role") != "system":
-                messages = [{"role": "system", "content": system_prompt}, *messages]
-            prompt_texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-            templated.append(True)
-
-        # Rendering then encoding without special tokens is what apply_chat_template(tokenize=True) does, since the
-        # template writes its own; doing it in two steps keeps the rendered text and lets one call encode them all.
-        prompt_ids: list[list[int]] = [[] for _ in records]
-        for is_templated in (True, False):
-            at = [i for i, t in enumerate(templated) if t == is_templated]
-            if at:
-                encoded = tokenizer([prompt_texts[i] for i in at], add_special_tokens=not is_templated)["input_ids"]
-                for i, ids in zip(at, encoded):
-                    prompt_ids[i] = ids
+        prompt_texts, prompt_ids = render_prompts(records, tokenizer, chat_template, system_prompt)
 
         self.items = []
         for i, record in enumerate(records):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,3 +48,21 @@ def test_chat_message_prompts_are_templated_as_the_ppo_prompts_are():
     [(ids, prompt_len)] = encode_pairs([{"prompt": [{"role": "user", "content": "1+2"}], "response": "3"}], tokenizer)
     assert tokenizer.decode(ids[:prompt_len]) == "1+2=" and prompt_len == 4
     assert ids[prompt_len:] == tokenizer("3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_text_prompts_take_data_chat_template_and_system_prompt_as_ppo_does():
+    """train_sft.py / train_rm.py pass data.chat_template and data.system_prompt: their prompt ids are those of
+    train_ppo.py's PromptDataset for the same prompt (text prompts were encoded raw before, whatever the config)."""
+    from tasks.char_tokenizer import build_char_tokenizer
+    from tasks.data import PromptDataset
+
+    tokenizer = build_char_tokenizer("0123456789+=")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    records = [{"prompt": "1+2", "response": "3"}]
+    for template, system in ((None, None), (True, None), (True, "9")):
+        [(ids, prompt_len)] = encode_pairs(records, tokenizer, template, system)
+        ppo = PromptDataset([{"prompt": "1+2"}], tokenizer, 64, template, system)[0]["prompt_ids"]
+        assert ids[:prompt_len] == ppo, (template, system)
+    assert tokenizer.decode(encode_pairs(records, tokenizer, True, "9")[0][0][:5]) == "9=1+2"
+    with pytest.raises(ValueError, match="a system prompt is set but this text prompt is not templated"):
+        encode_pairs(records, tokenizer, None, "9")
