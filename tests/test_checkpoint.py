@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, explain, run_env, run_python, start_run_and_wait, torchrun
 
-STRIP = ("timing_s/", "perf/")
+STRIP = ("timing_s/", "perf/", "health/")  # wall-clock figures, and the health flags set from them
 
 
 def comparable(rows: list[dict]) -> list[dict]:
