@@ -203,6 +203,14 @@ def _packed_outputs(model: nn.Module, batch: Batch, packed: PackedRows, at_last:
     return logits.view(ids.shape[0], 1 if at_last else batch["response_mask"].shape[1], -1)
 
 
+def _packing(model: nn.Module, batch: Batch, pack: bool) -> PackedRows | None:
+    """The micro-batch's packed layout when `pack` asks for it, the model can pack (packable) and packing pays
+    (packed_rows); None: the padded forward."""
+    if not (pack and "lengths_host" in batch and packable(model)):
+        return None
+    return packed_rows(batch)
+
+
 def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch.Tensor:
     """A causal LM's logits [B, R, V] at the positions predicting each response token.
 
@@ -215,10 +223,9 @@ def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch
     width = batch["input_ids"].shape[1]
     if "lengths_host" not in batch or not _takes_logits_to_keep(model):
         return at_response(forward(model, batch), batch)
-    if pack and packable(model):
-        packed = packed_rows(batch)
-        if packed is not None:
-            return _packed_outputs(model, batch, packed)
+    packed = _packing(model, batch, pack)
+    if packed is not None:
+        return _packed_outputs(model, batch, packed)
     prompts = batch["lengths_host"][:, 0]
     shortest = int(prompts.min())
     keep = width - shortest + 1
@@ -235,20 +242,18 @@ def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch
 def response_values(model: nn.Module, batch: Batch, pack: bool = False) -> torch.Tensor:
     """A value model's outputs [B, R] (float32) at the positions predicting each response token (the state before
     it); pack as in response_logits."""
-    if pack and "lengths_host" in batch and packable(model):
-        packed = packed_rows(batch)
-        if packed is not None:
-            return _packed_outputs(model, batch, packed).squeeze(-1).float()
+    packed = _packing(model, batch, pack)
+    if packed is not None:
+        return _packed_outputs(model, batch, packed).squeeze(-1).float()
     return at_response(forward(model, batch).squeeze(-1), batch).float()
 
 
 def last_token_values(model: nn.Module, batch: Batch, pack: bool = False) -> torch.Tensor:
     """A value model's output [B] (float32) at each sample's last token (a reward model's score); pack as in
     response_logits, with only the last tokens reaching the head."""
-    if pack and "lengths_host" in batch and packable(model):
-        packed = packed_rows(batch)
-        if packed is not None:
-            return _packed_outputs(model, batch, packed, at_last=True).reshape(-1).float()
+    packed = _packing(model, batch, pack)
+    if packed is not None:
+        return _packed_outputs(model, batch, packed, at_last=True).reshape(-1).float()
     values = forward(model, batch).squeeze(-1).float()
     return values.gather(1, (seq_len(batch) - 1).clamp(min=0)[:, None]).squeeze(1)
 
