@@ -86,6 +86,8 @@ class FSDPConfig:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
+    # torch.compile each decoder block (parallel/fsdp.compile_blocks): GPU only, tp 1 only; the first forwards compile
+    compile: bool = True
 
 
 @dataclass

@@ -12,8 +12,10 @@ from parallel.tp import apply_tp, decoder_layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def shard_model(model: nn.Module, pool: Pool, fsdp_cfg, train: bool = True, replicate: bool = True) -> nn.Module:
-    """Tensor-parallel (when pool.tp > 1) then FSDP2 over the pool's data-parallel axes, in place.
+def shard_model(model: nn.Module, pool: Pool, fsdp_cfg, train: bool = True, replicate: bool = True,
+                compile: bool = True) -> nn.Module:
+    """Tensor-parallel (when pool.tp > 1) then FSDP2 over the pool's data-parallel axes, in place; then, on a GPU
+    with fsdp_cfg.compile and `compile`, the decoder blocks compiled (compile_blocks).
 
     HSDP when pool.dp_replicate > 1: shards inside a (dp_shard) group, replicas across (dp_replicate). With
     replicate=False FSDP2 stops at dp_shard and the caller joins the replicas itself (compressed gradients,
@@ -35,6 +37,26 @@ def shard_model(model: nn.Module, pool: Pool, fsdp_cfg, train: bool = True, repl
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=fsdp_cfg.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=fsdp_cfg.reshard_after_forward, **kwargs)
+    if compile and fsdp_cfg.compile and pool.mesh.device_type == "cuda" and pool.tp == 1:
+        compile_blocks(model)
+    return model
+
+
+BLOCK_RECOMPILE_LIMIT = 64
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """torch.compile each decoder block's `forward`, in place: Inductor fuses the blocks' pointwise work (norms in
+    float32, rotary, SiLU x up, residual adds) in forward and backward. Only `forward` is compiled, so FSDP2's
+    hooks around it stay eager and parameter names do not change (checkpoints, the weight sync). Every block runs
+    one code object, so the blocks share their graphs: one per grad mode, attention mask layout (none, padded,
+    packed) and static or dynamic lengths (a second length recompiles once with dynamic lengths). Dynamo's
+    recompile limit is raised to BLOCK_RECOMPILE_LIMIT for the process (never lowered) to hold those variants.
+    The blocks must be called with use_cache=False: a KV cache makes Dynamo specialise on each block.
+    backend: torch.compile's (tests on CPU: "aot_eager", which traces the same graphs without Inductor's codegen)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_RECOMPILE_LIMIT)
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, backend=backend)
     return model
 
 

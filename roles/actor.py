@@ -23,6 +23,7 @@ from roles.modeling import (
     response_logits,
     train_mini_batches,
 )
+from rollout.decoder import unsupported_reason
 from rollout.native import NativeEngine, RolloutOutput, SamplingParams
 
 
@@ -34,15 +35,20 @@ class Actor:
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
         self.replicas = ReplicaSync(comm_cfg, pool)
-        self.model = shard_model(disable_dropout(load_causal_lm(path, trust_remote_code)).to(device), pool, cfg.fsdp,
-                                 replicate=self.replicas.replicated_by_fsdp)
+        r = rollout_cfg
+        model = disable_dropout(load_causal_lm(path, trust_remote_code)).to(device)
+        # the native engine's fallback decodes through the HF blocks with a KV cache, on which compiled blocks would
+        # recompile block by block: they stay eager then
+        hf_decode = (r is None or r.engine == "native") and (
+            (r is not None and not r.compact_forward) or unsupported_reason(model) is not None)
+        self.model = shard_model(model, pool, cfg.fsdp, replicate=self.replicas.replicated_by_fsdp,
+                                 compile=not hf_decode)
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.pack = cfg.pack_sequences and packable(self.model)  # micro-batches cut by real tokens, forwards packed
         self.lr_scale = 1.0  # guard rails back the learning rate off through this
         self.step_count = 0
         self.skips_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
         self.synced_step = None  # the update count whose weights the vLLM engine holds
-        r = rollout_cfg
         if r is not None and r.engine == "vllm":
             from rollout.vllm import VLLMEngine  # vLLM is an optional extra
 

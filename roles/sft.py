@@ -39,7 +39,8 @@ def sft_loss(model, pairs: list[tuple[list[int], int]], device) -> torch.Tensor:
         ids[i, : len(seq)] = torch.tensor(seq)
         labels[i, plen : len(seq)] = torch.tensor(seq[plen:])
         attn[i, : len(seq)] = 1
-    return model(input_ids=ids.to(device), attention_mask=attn.to(device), labels=labels.to(device)).loss
+    return model(input_ids=ids.to(device), attention_mask=attn.to(device), labels=labels.to(device),
+                 use_cache=False).loss
 
 
 def sft_train(model, pairs, steps: int, lr: float, batch_size: int, seed: int, device,

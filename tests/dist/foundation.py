@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from algo.losses import logprobs_from_logits
 from config import FSDPConfig, PoolConfig
 from parallel.distributed import init_distributed
-from parallel.fsdp import shard_model
+from parallel.fsdp import compile_blocks, shard_model
 from parallel.layout import build_layout
 from parallel.transfer import transfer
 from roles.modeling import micro_batches, packed_rows, response_logits
@@ -106,19 +106,33 @@ def packed_loss_and_grads(model, mb, pack: bool):
     return loss.detach(), grads
 
 
-def check_packed(rank, name, pool_spec, model, mb, reference):
+def check_packed(rank, name, pool_spec, model, mb, reference, compiled: bool = False):
     """Packed micro-batches (block-causal attention from position ids, the hook on the final norm) on a sharded copy:
-    every rank takes the whole micro-batch; loss and gradients equal the unsharded padded forward's."""
+    every rank takes the whole micro-batch; loss and gradients equal the unsharded padded forward's.
+    compiled: the blocks compiled (parallel/fsdp.compile_blocks, aot_eager: Dynamo and AOTAutograd's graphs without
+    Inductor's codegen, which runs on GPUs only), the padded forward and a no-grad one checked as well."""
     layout = build_layout(pools(*pool_spec), "cpu")
     mine = [p for p in layout.pools if p.has(rank)]
     if not mine:
         return
     sharded = shard_model(copy.deepcopy(model), mine[0], FSDPConfig(param_dtype="float32"))
-    loss, grads = packed_loss_and_grads(sharded, mb, pack=True)
-    torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6, msg=f"{name} packed: loss")
-    for key, g in grads.items():
-        torch.testing.assert_close(g, reference[1][key], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, key=key: f"{name} packed {key}: {m}")
+    if compiled:
+        compile_blocks(sharded, backend="aot_eager")
+        name += " compiled"
+    for pack in (True, False) if compiled else (True,):
+        loss, grads = packed_loss_and_grads(sharded, mb, pack=pack)
+        torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6, msg=f"{name} pack={pack}: loss")
+        for key, g in grads.items():
+            torch.testing.assert_close(g, reference[1][key], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, key=key: f"{name} pack={pack} {key}: {m}")
+    if compiled:
+        with torch.no_grad():
+            m = mb["response_mask"][..., None]  # past a response's end the packed rows repeat its last position
+            torch.testing.assert_close(response_logits(sharded, mb, pack=True) * m, response_logits(model, mb) * m,
+                                       rtol=1e-5, atol=1e-5)
+        # one graph per (grad mode, mask layout) shared by both blocks, not one per block
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert 0 < graphs <= 3, f"compiled blocks: {graphs} graphs for 3 variants"
     say(f"rank {rank} PASS packed {name}")
 
 
@@ -208,6 +222,7 @@ def main():
     padded = packed_loss_and_grads(copy.deepcopy(model), mb, pack=False)
     check_packed(rank, "tp2", [("tp", 2, ["actor"], 2, 1), ("fsdp", 2, ["critic"], 1, 1)], model, mb, padded)
     check_packed(rank, "2d", [("all", 4, ["actor"], 2, 1)], model, mb, padded)
+    check_packed(rank, "fsdp4", [("all", 4, ["actor"], 1, 1)], model, mb, padded, compiled=True)
     check_transfer(rank, split)
 
 
