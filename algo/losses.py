@@ -8,6 +8,7 @@ of micro-batches add up to the loss of the whole batch (gradient accumulation wi
 import torch
 from torch.autograd.function import once_differentiable
 
+from algo import kernels
 from algo.advantages import as_bool_mask, masked_mean
 
 # exp() of a log-ratio beyond +-20 overflows float16 and turns one bad token into inf; real policies never get there.
@@ -364,12 +365,36 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _FusedLogprobsEntropy(torch.autograd.Function):
+    """What _ChunkedLogprobsEntropy computes, by algo/kernels.py's Triton kernels: one read of each logits row
+    forward, one read and one write backward, no float32 tile. Saves the logits, the [B, T] logsumexp and E_p[x]."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature):
+        ctx.set_materialize_grads(False)
+        logp, entropy, lse, mean_x = kernels.forward(logits, labels, temperature)
+        ctx.save_for_backward(logits, labels, lse, mean_x)
+        ctx.temperature = temperature
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None
+        logits, labels, lse, mean_x = ctx.saved_tensors
+        return kernels.backward(logits, labels, ctx.temperature, lse, mean_x, grad_logp, grad_entropy), None, None
+
+
 def logprobs_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_from_logits, entropy_from_logits) of the same logits in one pass over them, each [B, T] float32,
-    both differentiable (an unused one costs nothing in backward)."""
+    both differentiable (an unused one costs nothing in backward). On a GPU (algo/kernels.usable) the Triton
+    kernels compute them (chunk_size unused); else tiles of chunk_size positions in PyTorch."""
     _check_logits(logits, labels, temperature, chunk_size)
+    if kernels.usable(logits):
+        return _FusedLogprobsEntropy.apply(logits, labels, float(temperature))
     return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), chunk_size)
 
 
@@ -413,7 +438,10 @@ def logprobs_from_logits(
 
     logits: [B, T, V], any float dtype (bf16 is upcast); labels: [B, T] integer token ids in [0, V).
     Returns [B, T] in float32 (float64 for float64 input). At most chunk_size positions are upcast at a time, in
-    forward and in backward, so no float32 copy of the whole [B, T, V] exists; differentiable w.r.t. logits.
+    forward and in backward, so no float32 copy of the whole [B, T, V] exists; differentiable w.r.t. logits. On a
+    GPU (algo/kernels.usable) the Triton kernels of logprobs_and_entropy compute it.
     """
     _check_logits(logits, labels, temperature, chunk_size)
+    if kernels.usable(logits):
+        return _FusedLogprobsEntropy.apply(logits, labels, float(temperature))[0]
     return _ChunkedLogprobs.apply(logits, labels, float(temperature), chunk_size)

@@ -1,16 +1,20 @@
 """algo/losses.py against slow per-element loops written from the formulas."""
 
 import math
+import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from algo import kernels
 from algo.advantages import lengths_to_mask
 from algo.losses import (
     AGG_MODES,
     LOSS_KL_KINDS,
+    _ChunkedLogprobsEntropy,
+    _FusedLogprobsEntropy,
     aggregate,
     entropy_from_logits,
     kl,
@@ -477,3 +481,89 @@ def test_logprobs_and_entropy_gradients_match_autograd_on_the_formulas(chunk, wh
     got = torch.autograd.grad(sum((t * u).sum() for t, _, u in terms), logits, retain_graph=True)[0]
     want = torch.autograd.grad(sum((r * u).sum() for _, r, u in terms), logits)[0]
     torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- the Triton kernels (algo/kernels.py), interpreted
+
+
+def fused(logits, labels, temperature):
+    """The GPU path of logprobs_and_entropy, run by Triton's interpreter on CPU tensors (tests/conftest.py)."""
+    pytest.importorskip("triton")
+    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU, or Triton's interpreter, runs the kernels")
+    return _FusedLogprobsEntropy.apply(logits, labels, temperature)
+
+
+# vocabularies below, at and across the kernel's tile (a smaller tile makes several tiles per row here)
+@pytest.mark.parametrize("vocab,block", [(7, 4096), (97, 32), (64, 64), (300, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_match_the_loops(vocab, block, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "BLOCK_V", block)
+    gen = torch.Generator().manual_seed(vocab)
+    full = (4 * torch.randn(3, 5, vocab, generator=gen)).to(dtype)
+    logits = full[:, 1:]  # a strided view, as the update's logits window is
+    labels = torch.randint(0, vocab, (3, 4), generator=gen)
+    for temperature in (1.0, 0.7):
+        logp, ent = fused(logits, labels, temperature)
+        assert logp.dtype == ent.dtype == torch.float32
+        torch.testing.assert_close(logp, torch.tensor(loop_logprobs(logits, labels, temperature)), rtol=1e-5,
+                                   atol=1e-5)
+        expected = torch.tensor(loop_entropy(logits.float() / temperature), dtype=torch.float32)
+        torch.testing.assert_close(ent, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["both", "logp", "entropy"])
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_kernel_gradients_match_autograd_on_the_formulas(which, temperature, monkeypatch):
+    monkeypatch.setattr(kernels, "BLOCK_V", 16)  # 37 entries: three tiles, the last one partial
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 4, 37, generator=gen, dtype=torch.float32, requires_grad=True)
+    labels = torch.randint(0, 37, (3, 4), generator=gen)
+    up_lp, up_ent = torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    logp, ent = fused(logits, labels, temperature)
+    exact = logits.detach().double().requires_grad_(True)
+    scaled = exact / temperature
+    ref_lp = torch.log_softmax(scaled, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(torch.softmax(scaled, -1) * torch.log_softmax(scaled, -1)).sum(-1)
+    terms = {"both": ((logp, ref_lp, up_lp), (ent, ref_ent, up_ent)), "logp": ((logp, ref_lp, up_lp),),
+             "entropy": ((ent, ref_ent, up_ent),)}[which]
+    got = torch.autograd.grad(sum((t * u).sum() for t, _, u in terms), logits)[0]
+    want = torch.autograd.grad(sum((r * u.double()).sum() for _, r, u in terms), exact)[0]
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-6)
+
+
+def test_kernel_gradient_in_bfloat16_with_the_entropy_unused():
+    gen = torch.Generator().manual_seed(12)
+    logits = (3 * torch.randn(2, 3, 50, generator=gen)).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 50, (2, 3), generator=gen)
+    logp, ent = fused(logits, labels, 1.0)
+    logp.sum().backward()
+    exact = logits.detach().double().requires_grad_(True)
+    torch.log_softmax(exact, -1).gather(-1, labels.unsqueeze(-1)).sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.double(), exact.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_kernels_give_a_nan_log_prob_for_a_label_out_of_range():
+    logits = torch.randn(1, 2, 9)
+    logp, ent = fused(logits, torch.tensor([[3, 9]]), 1.0)
+    assert torch.isfinite(logp[0, 0]) and torch.isnan(logp[0, 1]) and torch.isfinite(ent).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_kernels_give_the_chunked_values_and_gradients():
+    """The e2e benchmark's shape class: a 152k vocabulary in bfloat16, a strided window, temperature 0.9."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    full = (3 * torch.randn(4, 65, 151936, generator=gen, device="cuda")).bfloat16()
+    labels = torch.randint(0, 151936, (4, 64), generator=gen, device="cuda")
+    up_lp, up_ent = torch.randn(2, 4, 64, generator=gen, device="cuda")
+    results = []
+    for apply in (lambda x: _FusedLogprobsEntropy.apply(x, labels, 0.9),
+                  lambda x: _ChunkedLogprobsEntropy.apply(x, labels, 0.9, 1024)):
+        logits = full.clone().requires_grad_(True)
+        logp, ent = apply(logits[:, 1:])
+        ((logp * up_lp).sum() + (ent * up_ent).sum()).backward()
+        results.append((logp, ent, logits.grad.float()))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
