@@ -3,6 +3,11 @@
 The batch layout (see batch.py): `input_ids` [B, L] holds each sample's prompt then its response, right-padded;
 `prompt_len`, `response_len` [B]; response-aligned tensors (`response_ids`, `response_mask`, log-probs, values,
 advantages) are [B, R], token t of row b sitting at position prompt_len[b] + t of `input_ids`.
+
+The forwards pass no attention mask: the models are causal and the rows right-padded, so a real token never attends
+to padding, and without a mask the positions are 0.. as with one. Only the padding's own outputs differ, and those
+are never read (masked out, or not gathered). SDPA then takes its causal kernel, and compiled blocks
+(parallel/fsdp.compile_blocks) meet one layout fewer.
 """
 
 from __future__ import annotations
@@ -81,19 +86,11 @@ def response_index(batch: Batch, width: int) -> torch.Tensor:
     return idx.clamp(max=width - 1)
 
 
-def attention_mask(batch: Batch) -> torch.Tensor | None:
-    """[B, L] 1 on each row's tokens; None when the host lengths (micro_batches) say no row is padded: the model then
-    takes the plain causal path (no mask to build, no check of it on the device)."""
-    ids = batch["input_ids"]
-    if "lengths_host" in batch and bool((batch["lengths_host"][:, 1] == ids.shape[1]).all()):
-        return None
-    return (torch.arange(ids.shape[1], device=ids.device)[None] < seq_len(batch)[:, None]).long()
-
-
 def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Per-position outputs [B, L, ...] (logits, values) of the model on `input_ids`."""
+    """Per-position outputs [B, L, ...] (logits, values) of the model on `input_ids` (no attention mask: see the
+    module's docstring)."""
     with sdpa_kernel(ATTENTION_BACKENDS):
-        return model(input_ids=batch["input_ids"], attention_mask=attention_mask(batch), use_cache=False).logits
+        return model(input_ids=batch["input_ids"], use_cache=False).logits
 
 
 def at_response(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -230,8 +227,8 @@ def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch
     shortest = int(prompts.min())
     keep = width - shortest + 1
     with sdpa_kernel(ATTENTION_BACKENDS):
-        logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask(batch), use_cache=False,
-                       logits_to_keep=keep).logits  # [B, keep, V]: positions width - keep ..
+        # [B, keep, V]: positions width - keep ..
+        logits = model(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=keep).logits
     r = batch["response_mask"].shape[1]
     if int(prompts.max()) == shortest and r <= keep:
         return logits[:, :r]  # every prompt equally long: a view, no gather
