@@ -49,14 +49,15 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
     """torch.compile each decoder block's `forward`, in place: Inductor fuses the blocks' pointwise work (norms in
     float32, rotary, SiLU x up, residual adds) in forward and backward. Only `forward` is compiled, so FSDP2's
     hooks around it stay eager and parameter names do not change (checkpoints, the weight sync). Every block runs
-    one code object, so the blocks share their graphs: one per grad mode, attention mask layout (none, padded,
-    packed) and static or dynamic lengths (a second length recompiles once with dynamic lengths). Dynamo's
-    recompile limit is raised to BLOCK_RECOMPILE_LIMIT for the process (never lowered) to hold those variants.
+    one code object, so the blocks share their graphs: one per grad mode and layout (the causal rows, or packed rows
+    with their block-causal mask). Batch and length dimensions are dynamic from the first compile (the parameters'
+    shapes stay static), so new lengths never recompile. Dynamo's recompile limit is raised to
+    BLOCK_RECOMPILE_LIMIT for the process (never lowered) to hold the variants of other models and settings.
     The blocks must be called with use_cache=False: a KV cache makes Dynamo specialise on each block.
-    backend: torch.compile's (tests on CPU: "aot_eager", which traces the same graphs without Inductor's codegen)."""
+    backend: torch.compile's (tests on CPU: "eager", Dynamo's capture alone)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_RECOMPILE_LIMIT)
     for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, backend=backend)
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
     return model
 
 

@@ -226,12 +226,16 @@ def response_logits(model: nn.Module, batch: Batch, pack: bool = False) -> torch
     prompts = batch["lengths_host"][:, 0]
     shortest = int(prompts.min())
     keep = width - shortest + 1
+    r = batch["response_mask"].shape[1]
+    if int(prompts.max()) == shortest and r <= keep:
+        # every prompt equally long: exactly the R positions predicting the response tokens reach the head (a slice
+        # of the [B, keep, V] logits would give them too, but its backward writes a zero-padded [B, keep, V] copy)
+        positions = torch.arange(shortest - 1, shortest - 1 + r, device=batch["input_ids"].device)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            return model(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=positions).logits
     with sdpa_kernel(ATTENTION_BACKENDS):
         # [B, keep, V]: positions width - keep ..
         logits = model(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=keep).logits
-    r = batch["response_mask"].shape[1]
-    if int(prompts.max()) == shortest and r <= keep:
-        return logits[:, :r]  # every prompt equally long: a view, no gather
     idx = (response_index(batch, width) - (width - keep)).clamp(min=0)
     return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
 

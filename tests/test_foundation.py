@@ -1,5 +1,5 @@
 """Layouts, FSDP2 / TP / 2-D / HSDP equivalence with the unsharded model (packed micro-batches under TP and 2-D too,
-and under FSDP2 with compiled blocks), and batch transfer, on 4 gloo processes."""
+and under FSDP2 on 2 ranks with compiled blocks), and batch transfer, on 4 gloo processes."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from parallel.transfer import balanced_bounds
 def test_foundation_under_torchrun():
     proc = torchrun(["tests/dist/foundation.py"], nproc=4)
     assert proc.returncode == 0, explain(proc)
-    for check in ("layouts", "fsdp4", "tp2+fsdp2", "2d", "hsdp", "packed tp2", "packed 2d", "packed fsdp4 compiled",
+    for check in ("layouts", "fsdp4", "tp2+fsdp2", "2d", "hsdp", "packed tp2", "packed 2d", "packed fsdp2 compiled",
                   "transfer"):
         # ranks print concurrently, so lines may interleave: find the marks anywhere
         passed = set(re.findall(rf"rank (\d) PASS {re.escape(check)}(?= |\n|rank |$)", proc.stdout))
-        assert passed == {"0", "1", "2", "3"}, f"{check}: ranks {sorted(passed)} passed\n{explain(proc)}"
+        expected = {"0", "1"} if "compiled" in check else {"0", "1", "2", "3"}
+        assert passed == expected, f"{check}: ranks {sorted(passed)} passed\n{explain(proc)}"
 
 
 def test_balanced_bounds():

@@ -124,7 +124,7 @@ def test_response_logits_equal_the_full_forward_and_keep_only_the_window():
     model = tiny_lm()
     head_positions = []
     model.lm_head.register_forward_hook(lambda m, i, o: head_positions.append(i[0].shape[1]))
-    for prompts in ([4, 4, 4], [4, 7, 2]):  # equal prompts (a view) and unequal ones (a gather)
+    for prompts in ([4, 4, 4], [4, 7, 2]):  # equal prompts (exactly the response positions) and unequal ones
         batch = random_batch(prompts, [6, 3, 5], seed=len(set(prompts)))
         (mb,) = micro_batches(batch, token_budget=10_000, group=None)
         head_positions.clear()
@@ -132,8 +132,11 @@ def test_response_logits_equal_the_full_forward_and_keep_only_the_window():
         assert head_positions == [mb["input_ids"].shape[1]]
         head_positions.clear()
         window = response_logits(model, mb)
-        # the head sees the positions from the shortest prompt's last token on, not the whole width
-        assert head_positions == [mb["input_ids"].shape[1] - min(prompts) + 1]
+        # the head sees the positions from the shortest prompt's last token on, not the whole width; with equal
+        # prompts only the R positions that predict a response token
+        r = mb["response_mask"].shape[1]
+        assert head_positions == [r if len(set(prompts)) == 1 else mb["input_ids"].shape[1] - min(prompts) + 1]
+        assert window.shape == (3, r, 97)
         mask = mb["response_mask"]
         torch.testing.assert_close(window[mask], full[mask], rtol=1e-5, atol=1e-5)
 
