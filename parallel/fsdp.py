@@ -50,14 +50,16 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
     float32, rotary, SiLU x up, residual adds) in forward and backward. Only `forward` is compiled, so FSDP2's
     hooks around it stay eager and parameter names do not change (checkpoints, the weight sync). Every block runs
     one code object, so the blocks share their graphs: one per grad mode and layout (the causal rows, or packed rows
-    with their block-causal mask). Batch and length dimensions are dynamic from the first compile (the parameters'
-    shapes stay static), so new lengths never recompile. Dynamo's recompile limit is raised to
-    BLOCK_RECOMPILE_LIMIT for the process (never lowered) to hold the variants of other models and settings.
+    with their block-causal mask), first with static shapes, and once more with dynamic batch and length dimensions
+    when a second shape comes, then no more. (dynamic=True from the start would save that recompile: on 2 CPU cores
+    its first trace took 5x the static one, and a GPU run with it outran its time limit, so it is not used.) Dynamo's
+    recompile limit is raised to BLOCK_RECOMPILE_LIMIT for the process (never lowered) to hold the variants of other
+    models and settings.
     The blocks must be called with use_cache=False: a KV cache makes Dynamo specialise on each block.
     backend: torch.compile's (tests on CPU: "eager", Dynamo's capture alone)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_RECOMPILE_LIMIT)
     for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+        layer.forward = torch.compile(layer.forward, backend=backend)
     return model
 
 
