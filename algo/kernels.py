@@ -88,7 +88,7 @@ if triton is not None:
             x = tl.load(start + offset + cols, mask=inside, other=0.0).to(tl.float32) * inv_temp
             p = tl.exp(x - lse)
             # d logp / dx = onehot - p;  d H / dx = -p (x - E_p[x]);  then d x / d logits = 1 / temperature
-            g = -(g_logp + g_ent * (x - mean)) * p
+            g = tl.where(p > 0, -(g_logp + g_ent * (x - mean)) * p, 0.0)  # a -inf logit: 0, not 0 x inf
             g = tl.where(offset + cols == label, g + g_logp, g) * inv_temp
             tl.store(out + offset + cols, g.to(grad.dtype.element_ty), mask=inside)
 

@@ -51,11 +51,11 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
     hooks around it stay eager and parameter names do not change (checkpoints, the weight sync). Every block runs
     one code object, so the blocks share their graphs: one per grad mode and layout (the causal rows, or packed rows
     with their block-causal mask), first with static shapes, and once more with dynamic batch and length dimensions
-    when a second shape comes, then no more. (dynamic=True from the start would save that recompile, but its first
-    trace took 5x the static one on 2 CPU cores, and the one GPU run with it did not finish in its time limit, cause
-    not found: bench/RESULTS.md.) Dynamo's
-    recompile limit is raised to BLOCK_RECOMPILE_LIMIT for the process (never lowered) to hold the variants of other
-    models and settings.
+    when a second shape comes, then no more (except dimensions of size 1, which Dynamo specialises).
+    dynamic=True from the start would save that recompile, but its first trace took 5x the static one on 2 CPU
+    cores, and the one GPU run with it did not finish in its time limit, cause not found (bench/RESULTS.md).
+    Dynamo's recompile limit is raised to BLOCK_RECOMPILE_LIMIT for the process (never lowered) to hold the
+    variants of other models and settings.
     The blocks must be called with use_cache=False: a KV cache makes Dynamo specialise on each block.
     backend: torch.compile's (tests on CPU: "eager", Dynamo's capture alone)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_RECOMPILE_LIMIT)

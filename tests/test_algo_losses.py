@@ -545,6 +545,28 @@ def test_kernel_gradient_in_bfloat16_with_the_entropy_unused():
     torch.testing.assert_close(logits.grad.double(), exact.grad, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("which", ["logp", "entropy"])
+def test_kernels_give_zero_gradient_to_a_minus_infinity_logit(which, monkeypatch):
+    """A -inf logit (a banned token) has probability 0: it adds nothing to the sums and gets a zero gradient."""
+    monkeypatch.setattr(kernels, "BLOCK_V", 16)
+    gen = torch.Generator().manual_seed(13)
+    values = torch.randn(2, 3, 37, generator=gen)
+    values[0, 1, 5] = values[1, 2, 20] = float("-inf")
+    labels = torch.randint(0, 37, (2, 3), generator=gen).clamp(max=4)
+    logits = values.clone().requires_grad_(True)
+    logp, ent = fused(logits, labels, 1.0)
+    (logp if which == "logp" else ent).sum().backward()
+    exact = values.double().requires_grad_(True)
+    ref_lp = torch.log_softmax(exact, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p = torch.softmax(exact, -1)
+    ref_ent = -(p * torch.where(p > 0, torch.log_softmax(exact, -1), 0.0)).sum(-1)
+    (ref_lp if which == "logp" else ref_ent).sum().backward()
+    torch.testing.assert_close(logp, ref_lp.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 1, 5] == 0 and logits.grad[1, 2, 20] == 0
+    torch.testing.assert_close(logits.grad, torch.nan_to_num(exact.grad).float(), rtol=1e-4, atol=1e-6)
+
+
 def test_kernels_give_a_nan_log_prob_for_a_label_out_of_range():
     logits = torch.randn(1, 2, 9)
     logp, ent = fused(logits, torch.tensor([[3, 9]]), 1.0)
@@ -567,3 +589,7 @@ def test_on_a_gpu_the_kernels_give_the_chunked_values_and_gradients():
         results.append((logp, ent, logits.grad.float()))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # and the public functions take the kernels on a GPU
+    leaf = full.clone().requires_grad_(True)
+    for out in (logprobs_and_entropy(leaf[:, 1:], labels, 0.9)[0], logprobs_from_logits(leaf[:, 1:], labels, 0.9)):
+        assert type(out.grad_fn).__name__ == "_FusedLogprobsEntropyBackward"
