@@ -23,8 +23,7 @@ from roles.modeling import (
     response_logits,
     train_mini_batches,
 )
-from rollout.decoder import unsupported_reason
-from rollout.native import NativeEngine, RolloutOutput, SamplingParams
+from rollout.native import NativeEngine, RolloutOutput, SamplingParams, fallback_reason
 
 
 class Actor:
@@ -39,8 +38,8 @@ class Actor:
         model = disable_dropout(load_causal_lm(path, trust_remote_code)).to(device)
         # the native engine's fallback decodes through the HF blocks with a KV cache, on which compiled blocks would
         # recompile block by block: they stay eager then
-        hf_decode = (r is None or r.engine == "native") and (
-            (r is not None and not r.compact_forward) or unsupported_reason(model) is not None)
+        hf_decode = (r is None or r.engine == "native") and \
+            fallback_reason(model, r is None or r.compact_forward) is not None
         self.model = shard_model(model, pool, cfg.fsdp, replicate=self.replicas.replicated_by_fsdp,
                                  compile=not hf_decode)
         self.optimizer = make_optimizer(self.model, cfg.optim)

@@ -28,6 +28,12 @@ from rollout.slots import KERNEL_OPS, SlotEngine
 __all__ = ["NativeEngine", "RolloutOutput", "SamplingParams"]
 
 
+def fallback_reason(model: nn.Module, compact_forward: bool = True) -> str | None:
+    """Why NativeEngine would decode `model` through the HF forward (with a KV cache) instead of its slot engine, or
+    None when the slot engine runs it."""
+    return unsupported_reason(model) if compact_forward else "compact_forward=False"
+
+
 class NativeEngine:
     """Generates with the given Hugging Face causal LM in place: plain, FSDP2-sharded or tensor-parallel.
 
@@ -87,7 +93,7 @@ class NativeEngine:
         self.reshard_after_forward = reshard_after_forward
         self.lockstep_group = lockstep_group
         self.tp_group = tp_group
-        self.fallback_reason = unsupported_reason(model) if compact_forward else "compact_forward=False"
+        self.fallback_reason = fallback_reason(model, compact_forward)
         self.slots = None
         if self.fallback_reason is None:
             self.slots = SlotEngine(model, pad_token_id, tp_group, max_num_seqs, kv_cache_tokens,
