@@ -21,6 +21,7 @@ says why and the engine keeps SDPA.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -375,3 +376,103 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @decode_attention.register_fake
 def _(q, k_cache, v_cache, pos, length):
     return torch.empty_like(q)
+
+
+# ------------------------------------------------------------------------------------------------- the MLP's first half
+# gate_up_silu: silu(x gate^T) * (x up^T) for the few rows of a decode step (x [M, K], M <= MLP_KERNEL_ROWS) with
+# gate and up stacked in one weight ([2 I, K], rollout/decoder.read_weights(fuse=True)). Each program reads a block
+# of gate rows and the matching up rows, multiplies both and writes the activated product: the MLP's first GEMM and
+# its SiLU x up in one kernel, where cuBLAS writes [M, 2 I] and a second kernel reads it back. At 64 rows it takes
+# 6.4 us against 11.4 for the pair on the 0.5B shape (bench/decode_linear.py, 1x H200); the other projections are
+# faster in cuBLAS, which this narrow-tile scheme did not beat (bench/RESULTS.md), nor this one past 64 rows.
+
+MLP_KERNEL_ROWS = 64
+
+
+class MLPTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 4
+
+
+def mlp_tiles(m: int, n: int, programs: int) -> MLPTiles:
+    """Tiles for gate_up_silu with M rows and I = n outputs per row: rows in one 16..64 block, K in 64-wide tiles,
+    I in 64-wide blocks, 32-wide when that many blocks already fill every SM once (programs: two per SM).
+    bench/decode_linear.py --sweep chose these on the H200."""
+    block_n = 64 if _ceil_div(n, 64) < programs // 2 else 32
+    return MLPTiles(min(64, max(16, _next_power_of_two(m))), block_n, 64)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_silu(
+        X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Program (n block, m block): rows [m block] of x against gate rows [n block] of W and up rows N + [n block];
+        writes silu(gate) * up rounded as PyTorch rounds it in x's dtype (gate and up to the dtype, silu in float32
+        to the dtype, the product to the dtype)."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # 64-bit: W may pass 2^31 elements
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            k_ok = ks < K
+            x = tl.load(X + rm[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(W + rn[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            wu = tl.load(W + (rn + N)[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            if UPCAST:
+                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            if IEEE:
+                gate += tl.dot(x, tl.trans(wg), input_precision="ieee")
+                up += tl.dot(x, tl.trans(wu), input_precision="ieee")
+            else:
+                gate += tl.dot(x, tl.trans(wg))
+                up += tl.dot(x, tl.trans(wu))
+        dtype = Y.dtype.element_ty
+        gate = gate.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = (act * up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gate_up_silu_impl(x: torch.Tensor, weight: torch.Tensor, tiles: MLPTiles | None = None) -> torch.Tensor:
+    """x: [M, K]; weight: [2 I, K], gate rows then up rows (the last dimensions contiguous), x's dtype.
+    Returns silu(x gate^T) * (x up^T), [M, I] in x's dtype. tiles: mlp_tiles picks them."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[0] % 2:
+        raise ValueError(f"x [M, K] and weight [2 I, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0] // 2
+    tiles = tiles or mlp_tiles(m, n, _programs(x.device))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gate_up_silu[(_ceil_div(n, tiles.block_n), _ceil_div(m, tiles.block_m))](
+        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        IEEE=x.dtype == torch.float32 or INTERPRETED, UPCAST=INTERPRETED,
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )
+    return y
+
+
+@torch.library.custom_op("meshrl::gate_up_silu", mutates_args=())
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """gate_up_silu_impl as an operator torch.compile keeps whole."""
+    return gate_up_silu_impl(x, weight)
+
+
+@gate_up_silu.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
