@@ -146,9 +146,8 @@ class RolloutConfig:
     compile: bool = True  # torch.compile the decode step before graph capture (GPU only)
     compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
     fused_projections: bool = True  # q/k/v and gate/up as one GEMM each: copies ~2/3 of the blocks' weights per rollout
-    # the decode step's attention, sampling and MLP activation: auto = rollout/kernels.py's Triton kernels where they
-    # run (CUDA, Triton, head_dim a power of 2; sampling without top-k / top-p; the MLP's at decode batches <= 64 with
-    # fused_projections), else PyTorch's; triton = the kernels or an error
+    # the decode step's attention and sampling: auto = rollout/kernels.py's Triton kernels where they run (CUDA,
+    # Triton, head_dim a power of 2; sampling without top-k / top-p), else PyTorch's; triton = the kernels or an error
     decode_kernels: Literal["auto", "triton", "torch"] = "auto"
     # the vLLM engine: ranks per engine (contiguous), what sleeping between rollouts frees (1: the KV cache, weights
     # kept in host memory; 2: both), and the start-up check's bound on the mean |vLLM - actor| log-prob gap

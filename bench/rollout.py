@@ -36,7 +36,7 @@ from rollout.native import NativeEngine, SamplingParams  # noqa: E402
 from rollout.slots import KERNEL_OPS  # noqa: E402
 
 KERNEL_VARIANTS = {"torch": ("torch", frozenset()), "attention": ("triton", frozenset({"attention"})),
-                   "no-mlp": ("triton", frozenset({"attention", "sampling"})), "triton": ("triton", KERNEL_OPS)}
+                   "triton": ("triton", KERNEL_OPS)}
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (../shared/BENCHMARKS.md)
 
 
@@ -213,8 +213,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a decode step's GPU time by kernel first")
     parser.add_argument("--kernels", nargs="+", default=["triton"], choices=list(KERNEL_VARIANTS),
                         help="decode kernels, one engine run each: torch (SDPA, sampling.py), attention (the Triton "
-                             "attention only), no-mlp (attention and sampling), triton (those and the MLP's gate/up "
-                             "with SiLU x up: the default where Triton runs)")
+                             "attention only), triton (attention and sampling: the default where Triton runs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rollout.kernels import MLP_KERNEL_ROWS, decode_attention, gate_up_silu
+from rollout.kernels import decode_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Rotary variants whose inverse frequencies the HF rotary module fixes at init; the dynamic ones (NTK, longrope)
@@ -222,11 +222,7 @@ def _qkv(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, 
     return F.linear(x, w.qkv, w.qkv_bias).split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
 
 
-def _mlp(x: torch.Tensor, w: LayerWeights, reduce: Reduce | None, kernel: bool = False) -> torch.Tensor:
-    """x: [..., hidden] -> [..., hidden]. kernel: x is [M, hidden] with few rows and the weights fused without bias:
-    gate/up GEMM and SiLU x up in rollout/kernels.py's gate_up_silu."""
-    if kernel:
-        return _row_parallel(gate_up_silu(x, w.gate_up), w.down, w.down_bias, reduce)
+def _mlp(x: torch.Tensor, w: LayerWeights, reduce: Reduce | None) -> torch.Tensor:
     if w.gate_up is None:
         gate, up = F.linear(x, w.gate, w.gate_bias), F.linear(x, w.up, w.up_bias)
     else:
@@ -248,7 +244,6 @@ def decode_layer(
     head_dim: int,
     reduce: Reduce | None = None,
     length: int = 0,
-    kernel_mlp: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block for one new token in each of the first B slots of the cache.
 
@@ -258,7 +253,6 @@ def decode_layer(
     pos: [B] long. cos, sin: [B, D]. mask: [B, 1, 1, T] bool, True on the cached positions slot b may attend to
     (T <= T_max: SDPA reads only the first T positions of each slot); None: attention by rollout/kernels.py's
     decode_attention, which reads positions 0..pos[b] of slot b (length: the context bucket, required then).
-    kernel_mlp: the MLP's gate/up GEMM and activation by rollout/kernels.py's gate_up_silu (mlp_kernel_fits).
     Returns (block output, residual), [B, hidden] each.
     """
     residual = hidden + residual
@@ -280,13 +274,7 @@ def decode_layer(
             attn_mask=mask,
         )
     residual = _row_parallel(out.reshape(batch, -1), w.o, w.o_bias, reduce) + residual
-    return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce, kernel_mlp), residual
-
-
-def mlp_kernel_fits(weights: DecoderWeights, batch: int) -> bool:
-    """Whether decode_layer's kernel_mlp can run: fused gate/up weights without bias, a batch the kernel is for."""
-    first = weights.layers[0]
-    return first.gate_up is not None and first.gate_up_bias is None and batch <= MLP_KERNEL_ROWS
+    return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual
 
 
 def prefill_layer(

@@ -51,7 +51,7 @@ class NativeEngine:
     fused_projections: decode with q/k/v and gate/up stacked into one weight each, copied once per rollout (one
     GEMM where there were three and two; the copies hold about two thirds of the decoder blocks' weights while the
     rollout runs, out of the rollout's memory share). decode_kernels: "auto", "triton" or "torch", the decode step's
-    attention, sampling and MLP kernels, kernel_ops which of them (rollout/slots.SlotEngine).
+    attention and sampling kernels, kernel_ops which of them (rollout/slots.SlotEngine).
     compact_forward=False forces the HF-forward path; models the compact forward cannot run use it anyway, and
     fallback_reason says why. reshard_after_forward: the FSDP2 setting the model was sharded with, put back after
     every rollout (which keeps the parameters unsharded while it runs).

@@ -29,15 +29,7 @@ from torch import nn
 
 from rollout import kernels
 from rollout.api import RolloutOutput, SamplingParams
-from rollout.decoder import (
-    DecoderWeights,
-    decode_layer,
-    mlp_kernel_fits,
-    prefill_layer,
-    read_weights,
-    rms_norm,
-    rope_tables,
-)
+from rollout.decoder import DecoderWeights, decode_layer, prefill_layer, read_weights, rms_norm, rope_tables
 from rollout.sampling import gumbel_noise, sample_with_noise, take_first_tp_rank
 
 STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idles at most this many steps
@@ -45,7 +37,7 @@ MIN_BATCH_BUCKET = 8
 CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
 DECODE_KERNELS = ("auto", "triton", "torch")
-KERNEL_OPS = frozenset({"attention", "sampling", "mlp"})  # what rollout/kernels.py's Triton kernels can take over
+KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
 COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
 # Dynamo counts compiled variants per code object over the whole process, and under fullgraph=True the one past its
 # recompile limit (default 8) is an error, not a fallback. Every engine of a process and every setting that is a
@@ -194,8 +186,7 @@ class SlotEngine:
     q/k/v and gate/up weights, copied per rollout (rollout/decoder.read_weights). decode_kernels: "auto" (the
     Triton kernels of rollout/kernels.py where they run: CUDA with Triton, head_dim a power of two; else PyTorch's
     SDPA and sampling.py), "triton" (the kernels or an error saying why not) or "torch". kernel_ops: which of them
-    (KERNEL_OPS: decode attention; sampling, which without top-k / top-p it takes over; mlp, the gate/up GEMM with
-    SiLU x up at decode batches up to kernels.MLP_KERNEL_ROWS with fused projections) - all unless a benchmark
+    (KERNEL_OPS: decode attention; sampling, which without top-k / top-p it takes over) - all unless a benchmark
     measures them one by one.
     """
 
@@ -232,8 +223,8 @@ class SlotEngine:
         self.compile = compile
         self._compiled: dict[str, Callable] = {}
         self._warm: set[tuple] = set()  # (bucket, run shapes) that ran once before, so capture needs no warm-up run
-        # of the last generate call: slots, decode_steps, prefills, graphs, kernel_attention, kernel_sampling and
-        # kernel_mlp (1: by the Triton kernel, kernel_mlp in at least one decode step)
+        # of the last generate call: slots, decode_steps, prefills, graphs, kernel_attention and kernel_sampling (1:
+        # by the Triton kernel)
         self.stats: dict[str, int] = {}
 
     def generate(
@@ -255,7 +246,6 @@ class SlotEngine:
         device = w.embed.device
         triton = self._use_kernels(w.head_dim, device)
         kernel_attention = triton and "attention" in self.kernel_ops
-        kernel_mlp = triton and "mlp" in self.kernel_ops  # at the batches it is for (mlp_kernel_fits)
         # the kernel has no top-k / top-p, which greedy decoding ignores anyway
         kernel_sampling = triton and "sampling" in self.kernel_ops and (
             params.temperature == 0 or (params.top_k == 0 and params.top_p == 1.0))
@@ -267,7 +257,7 @@ class SlotEngine:
         slots = self._slot_count(w, slot_len, longest, num_seqs, device)
         run = _Run(slots, slot_len, num_seqs, max_new, w, device)
         self.stats = dict(slots=slots, decode_steps=0, prefills=0, graphs=0, kernel_attention=int(kernel_attention),
-                          kernel_sampling=int(kernel_sampling), kernel_mlp=0)
+                          kernel_sampling=int(kernel_sampling))
         use_graphs = self.cuda_graphs and device.type == "cuda"
         compiled = self.compile and device.type == "cuda" and self.tp_group is None
         layer, prefill, inputs, sample = (
@@ -295,13 +285,11 @@ class SlotEngine:
             st = run.state
             pos = st.pos[:batch]
             positions = None if kernel_attention else run.positions[:length]
-            mlp = kernel_mlp and mlp_kernel_fits(w, batch)
-            self.stats["kernel_mlp"] |= int(mlp)
             hidden, cos, sin, mask = inputs(st.token[:batch], pos, w.embed, run.cos, run.sin, positions)
             residual = torch.zeros_like(hidden)
             for block, k, v in zip(w.layers, run.k, run.v):
                 hidden, residual = layer(hidden, residual, block, k, v, pos, cos, sin, mask, w.eps, w.head_dim,
-                                         reduce, length, mlp)
+                                         reduce, length)
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))

@@ -102,8 +102,7 @@ def decode_both(model, prompts, params, limits=None, slots=12):
         outs[kernels_] = engine.generate(prompts, params, torch.Generator(DEVICE).manual_seed(3), max_new_tokens=limits)
         stats[kernels_] = dict(engine.stats)
     assert stats["triton"]["kernel_attention"] == stats["triton"]["kernel_sampling"] == 1
-    assert stats["triton"]["kernel_mlp"] == int(len(prompts) * params.n <= kernels.MLP_KERNEL_ROWS)
-    assert stats["torch"]["kernel_attention"] == stats["torch"]["kernel_sampling"] == stats["torch"]["kernel_mlp"] == 0
+    assert stats["torch"]["kernel_attention"] == stats["torch"]["kernel_sampling"] == 0
     assert torch.equal(outs["triton"].response_ids, outs["torch"].response_ids)
     torch.testing.assert_close(outs["triton"].logprobs, outs["torch"].logprobs, atol=1e-5, rtol=0)
     return outs["torch"], stats["torch"]
@@ -225,72 +224,9 @@ def test_the_operators_pass_opcheck():
     stop, banned = torch.zeros(300, dtype=torch.bool).to(DEVICE), torch.tensor([True, False, True]).to(DEVICE)
     torch.library.opcheck(kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned))
     torch.library.opcheck(kernels.sample_tokens, (logits, 0.0, seed, keys, keys, None, None))
-    x, w = torch.randn(5, 40, generator=gen).to(DEVICE), torch.randn(2 * 24, 40, generator=gen).to(DEVICE)
-    torch.library.opcheck(kernels.gate_up_silu, (x, w))
 
 
 def test_decode_attention_needs_a_context_length():
     q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 8, 16)
     with pytest.raises(ValueError, match="length must be >= 1"):
         kernels.decode_attention_impl(q, k, k, torch.zeros(1, dtype=torch.long), 0)
-
-
-def slow_gate_up_silu(x, weight):
-    """silu(x gate^T) * (x up^T) as the PyTorch MLP computes it, rounding to x's dtype where it does."""
-    inter = weight.shape[0] // 2
-    gate = torch.nn.functional.linear(x.double(), weight[:inter].double()).to(x.dtype)
-    up = torch.nn.functional.linear(x.double(), weight[inter:].double()).to(x.dtype)
-    return torch.nn.functional.silu(gate) * up
-
-
-@pytest.mark.parametrize("rows, inter, hidden, tiles", [
-    (1, 24, 40, None),  # one row, everything smaller than a tile
-    (13, 100, 130, None),  # rows, outputs and K not multiples of their tiles
-    (64, 96, 64, kernels.MLPTiles(64, 32, 32, 4, 3)),  # several K tiles and output blocks
-    (40, 50, 70, kernels.MLPTiles(16, 16, 32, 4, 3)),  # several row blocks
-])
-def test_gate_up_silu_matches_the_pytorch_mlp(rows, inter, hidden, tiles):
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, hidden, generator=gen)
-    weight = torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5
-    got = kernels.gate_up_silu_impl(x.to(DEVICE), weight.to(DEVICE), tiles).cpu()
-    assert got.shape == (rows, inter) and got.dtype == torch.float32
-    torch.testing.assert_close(got, slow_gate_up_silu(x, weight), atol=1e-5, rtol=1e-5)
-
-
-def test_gate_up_silu_in_bfloat16_rounds_as_pytorch():
-    """bfloat16 inputs and a strided x (a view of a wider tensor): the PyTorch MLP's bf16 result within its
-    roundings. On a GPU they round to nearest as PyTorch does; a sum that rounds the other way moves gate or up by
-    one bf16 step (2^-7 relative at most), which silu's slope can grow by ~1.3x: bound 3 x 2^-7. Triton's
-    interpreter truncates float32 -> bfloat16 casts, a step on each of gate/up, silu and the product: 4 x 2^-7."""
-    gen = torch.Generator().manual_seed(1)
-    wide = torch.randn(20, 96, generator=gen).bfloat16()
-    x = wide[:, :80]
-    weight = (torch.randn(2 * 72, 80, generator=gen) / 9).bfloat16()
-    got = kernels.gate_up_silu_impl(x.to(DEVICE), weight.to(DEVICE)).cpu()
-    want = slow_gate_up_silu(x, weight)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=(4 if kernels.INTERPRETED else 3) * 2 ** -7)
-
-
-def test_gate_up_silu_refuses_mismatched_shapes():
-    with pytest.raises(ValueError, match=r"weight \[2 I, K\]"):
-        kernels.gate_up_silu_impl(torch.zeros(2, 8), torch.zeros(5, 8))
-    with pytest.raises(ValueError, match=r"x \[M, K\]"):
-        kernels.gate_up_silu_impl(torch.zeros(2, 8), torch.zeros(6, 4))
-
-
-def test_mlp_tiles_and_when_the_engine_takes_the_kernel():
-    """Rows in one block up to 64; 64-wide output blocks while they do not fill the SMs once, else 32 (the two
-    shapes bench/decode_linear.py --sweep measured: 0.5B, I = 4864: 76 blocks < 132 SMs; 1.5B, I = 8960: 140)."""
-    assert kernels.mlp_tiles(1, 4864, 264)[:3] == (16, 64, 64)
-    assert kernels.mlp_tiles(64, 4864, 264)[:3] == (64, 64, 64)
-    assert kernels.mlp_tiles(40, 8960, 264)[:3] == (64, 32, 64)
-    from rollout.decoder import mlp_kernel_fits, read_weights
-
-    model = head16_model(layers=1)
-    fused, plain = read_weights(model, fuse=True), read_weights(model)
-    assert mlp_kernel_fits(fused, kernels.MLP_KERNEL_ROWS) and not mlp_kernel_fits(fused, kernels.MLP_KERNEL_ROWS + 1)
-    assert not mlp_kernel_fits(plain, 8)  # no stacked gate/up weight
-    biased = fused.layers[0]._replace(gate_up_bias=torch.zeros(fused.layers[0].gate_up.shape[0]))
-    assert not mlp_kernel_fits(type(fused)(**{**fused.__dict__, "layers": [biased]}), 8)
