@@ -215,6 +215,14 @@ def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
+def _add(projected: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """projected + residual computed in float32 and rounded once to the model dtype, which is how PyTorch adds two
+    16-bit tensors anyway; spelled out so that torch.compile does not fold the add into the GEMM that produced
+    `projected` (addmm with the residual as its input: cuBLAS rounds the sum only once, and the residual is first
+    copied into the output, one more kernel per block in the decode step)."""
+    return (projected.float() + residual.float()).to(projected.dtype)
+
+
 def _qkv(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., hidden] -> q [..., heads * D], k and v [..., kv_heads * D]; one GEMM when the weights are fused."""
     if w.qkv is None:
@@ -273,7 +281,7 @@ def decode_layer(
             q.view(batch, kv_heads, -1, head_dim), k_cache[:batch, :, :length], v_cache[:batch, :, :length],
             attn_mask=mask,
         )
-    residual = _row_parallel(out.reshape(batch, -1), w.o, w.o_bias, reduce) + residual
+    residual = _add(_row_parallel(out.reshape(batch, -1), w.o, w.o_bias, reduce), residual)
     return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual
 
 
@@ -309,5 +317,5 @@ def prefill_layer(
     v_cache[dest, :, :width] = v[src]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     out = out.transpose(1, 2).reshape(prompts, width, -1)
-    residual = _row_parallel(out, w.o, w.o_bias, reduce) + residual
+    residual = _add(_row_parallel(out, w.o, w.o_bias, reduce), residual)
     return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual

@@ -80,19 +80,22 @@ if triton is not None:
 
     @triton.jit
     def _attend_split(
-        Q, K, V, POS, OUT, M_PART, L_PART, ACC_PART,
+        Q, K, V, POS, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
         stride_qb, stride_qh,
         stride_ks, stride_kh, stride_kt,
         stride_vs, stride_vh, stride_vt,
         stride_ob, stride_oh,
         scale, split_len, splits,
         HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        ONE_SPLIT: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """Program (b, kv head, split): the GROUP query heads of that kv head over positions [split * split_len,
         min(split * split_len + split_len, pos[b] + 1)) of slot b. One split: writes the normalised output; else the
-        running max, the sum of exponentials and the unnormalised output of its positions. IEEE: float32 products
-        (no TF32); UPCAST: float32 products for 16-bit inputs (the interpreter's tl.dot does not take bfloat16)."""
+        running max, the sum of exponentials and the unnormalised output of its positions, and with MERGE the last
+        program of (b, kv head) to finish merges the splits into the output (a counter per (b, kv head) in COUNTERS,
+        zero before and after). IEEE: float32 products (no TF32); UPCAST: float32 products for 16-bit inputs (the
+        interpreter's tl.dot does not take bfloat16)."""
         b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2^31 elements
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -144,6 +147,26 @@ if triton is not None:
             tl.store(M_PART + row, m, mask=real)
             tl.store(L_PART + row, denom, mask=real)
             tl.store(ACC_PART + row[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+            if MERGE:
+                # every thread's stores done, then one release/acquire count: the program that counts last sees
+                # every split's partials (read past L1, which may not hold other SMs' writes)
+                tl.debug_barrier()
+                counter = COUNTERS + b * (HEADS // GROUP) + kvh
+                if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+                    i = tl.arange(0, SPLIT_ROWS)
+                    used = real[:, None] & (i[None, :] < splits)
+                    rows = (b * HEADS + head)[:, None] * splits + i[None, :]  # [GROUP_ROWS, SPLIT_ROWS]
+                    m_all = tl.load(M_PART + rows, mask=used, other=float("-inf"), cache_modifier=".cg")
+                    l_all = tl.load(L_PART + rows, mask=used, other=0.0, cache_modifier=".cg")
+                    acc_all = tl.load(ACC_PART + rows[:, :, None] * HEAD_DIM + d[None, None, :],
+                                      mask=used[:, :, None], other=0.0, cache_modifier=".cg")
+                    top = tl.max(m_all, 1)
+                    weight = tl.where(used, tl.exp(m_all - tl.where(real, top, 0.0)[:, None]), 0.0)
+                    total = tl.where(real, tl.sum(l_all * weight, 1), 1.0)
+                    out = tl.sum(acc_all * weight[:, :, None], 1) / total[:, None]
+                    tl.store(OUT + b * stride_ob + head[:, None] * stride_oh + d[None, :],
+                             out.to(OUT.dtype.element_ty), mask=real[:, None])
+                    tl.atomic_xchg(counter, 0)
 
     @triton.jit
     def _merge_splits(
@@ -321,15 +344,30 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, int32 zeros: decode_attention's merge counters
+
+
+def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """At least `needed` int32 counters on `device`, all zero (the kernel leaves them so), or None when there are too
+    few and a CUDA graph is being captured (no new memory then: the splits merge in a second kernel instead)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = _COUNTERS[device] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+    return have
+
+
 def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                          length: int, splits: int = 0) -> torch.Tensor:
+                          length: int, splits: int = 0, merge_in_kernel: bool = True) -> torch.Tensor:
     """q: [B, H, D], the new token's queries of the first B slots; k_cache, v_cache: [S, KVH, T_max, D] (S >= B,
     T_max >= length, the last dimension contiguous), this block's cache with the new keys/values already written at
     pos; pos: [B] long, each slot's new position (< T_max). Softmax attention of q[b] over positions 0..pos[b] of
     slot b, scale 1/sqrt(D), query head h reading key/value head h // (H / KVH). length (>= 1) sizes the splits:
     positions from length rounded up to whole splits on are never read, so a slot with pos >= length (a finished
     one still in the decode batch, whose output is unused) gets attention over a prefix only. splits: 0 picks the
-    count (split_count). Returns [B, H, D] in q's dtype."""
+    count (split_count). merge_in_kernel: the last split of each (slot, kv head) merges them (merge_counters), else
+    a second kernel does. Returns [B, H, D] in q's dtype."""
     if length < 1:
         raise ValueError(f"length must be >= 1 (the context the attention may read), got {length}")
     q = q.contiguous()
@@ -341,23 +379,27 @@ def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     split_len, splits = _whole_tiles(length, splits, BLOCK_T)
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
+    counters = None
     if splits == 1:
         m_part = l_part = acc_part = out  # unused by the kernel
     else:
+        if merge_in_kernel:
+            counters = merge_counters(q.device, batch * kv_heads)
         m_part = torch.empty(batch * heads * splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(batch * heads * splits, head_dim, dtype=torch.float32, device=q.device)
     _attend_split[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, pos, out, m_part, l_part, acc_part,
+        q, k_cache, v_cache, pos, out, m_part, l_part, acc_part, counters if counters is not None else pos,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         head_dim ** -0.5, split_len, splits,
         HEADS=heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, _next_power_of_two(group)), HEAD_DIM=head_dim,
-        ONE_SPLIT=splits == 1, BLOCK=BLOCK_T, IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED,
+        ONE_SPLIT=splits == 1, MERGE=counters is not None, SPLIT_ROWS=_next_power_of_two(splits), BLOCK=BLOCK_T,
+        IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED,
     )
-    if splits > 1:
+    if splits > 1 and counters is None:
         _merge_splits[(batch, heads)](
             m_part, l_part, acc_part, out, out.stride(0), out.stride(1), splits,
             HEADS=heads, HEAD_DIM=head_dim, SPLIT_ROWS=_next_power_of_two(splits),

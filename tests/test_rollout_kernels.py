@@ -37,8 +37,10 @@ SHAPES = [(3, 14, 2, 64, 5, 300, 256), (4, 4, 4, 16, 4, 72, 70), (2, 12, 2, 128,
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("splits", [0, 1, 3])
-def test_decode_attention_matches_softmax_attention(shape, splits):
+@pytest.mark.parametrize("splits, merge_in_kernel", [(0, True), (1, True), (3, True), (3, False)])
+def test_decode_attention_matches_softmax_attention(shape, splits, merge_in_kernel):
+    """Against softmax(q k^T) v in float64; the splits merged by their last program (the counters are zero again
+    after) or by the second kernel."""
     batch, heads, kv_heads, dim, slots, cache_len, length = shape
     gen = torch.Generator().manual_seed(sum(shape) + splits)
     q = torch.randn(batch, heads, dim, generator=gen)
@@ -51,7 +53,8 @@ def test_decode_attention_matches_softmax_attention(shape, splits):
     for b in range(batch):
         k[b, :, int(pos[b]) + 1:] = float("nan")
         v[b, :, int(pos[b]) + 1:] = float("nan")
-    got = kernels.decode_attention_impl(*(t.to(DEVICE) for t in (q, k, v, pos)), length, splits)
+    got = kernels.decode_attention_impl(*(t.to(DEVICE) for t in (q, k, v, pos)), length, splits, merge_in_kernel)
+    assert not kernels.merge_counters(torch.device(DEVICE), 1).any()
     # float32 throughout (IEEE products): the differences are float32 rounding of sums of ~300 terms
     torch.testing.assert_close(got.double().cpu(), expected, atol=1e-5, rtol=1e-5)
 

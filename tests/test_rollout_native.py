@@ -260,3 +260,15 @@ def test_fused_projections_decode_as_the_separate_ones(model):
     separate = NativeEngine(model, PAD, fused_projections=False).generate(PROMPTS, params)
     assert responses(fused) == responses(separate)
     torch.testing.assert_close(fused.logprobs, separate.logprobs, atol=1e-5, rtol=0)
+
+
+def test_the_residual_add_rounds_as_pytorch_adds():
+    """decoder._add (the attention output into the residual stream) is a + b of the model dtype, bit for bit: PyTorch
+    adds 16-bit tensors in float32 and rounds once, as _add spells out."""
+    from rollout.decoder import _add
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a, b = (torch.randn(64, 96, generator=gen) * 3).to(dtype), torch.randn(64, 96, generator=gen).to(dtype)
+        got = _add(a, b)
+        assert got.dtype == dtype and torch.equal(got, a + b)
