@@ -12,6 +12,7 @@ or "module.path:function" for a user function importable from this process's sys
 This module imports only the standard library, so the spawned workers that import it start fast.
 """
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -32,7 +33,8 @@ from multiprocessing.connection import wait
 
 logger = logging.getLogger("meshrl")
 
-# A worker imports the user's module and, under spawn, the main script; a generous bound still catches a hang.
+# A worker imports the user's module (not the main script: _main_script_hidden); a generous bound still catches
+# a hang.
 START_TIMEOUT_S = 120.0
 
 # A number with optional sign, dollar sign and thousands commas; trailing "." and "," are never part of it.
@@ -210,6 +212,26 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             conn.send(("scored", index, score))
 
 
+@contextlib.contextmanager
+def _main_script_hidden(spec: str):
+    """Start a spawned process without it running the main script: spawn makes the child import the parent's
+    `__main__` from its file (train_ppo.py: torch, transformers, every role; seconds of CPU and hundreds of MB per
+    worker), which a worker needs only when the reward function lives there ("__main__:f"). The child reads the
+    script's path from `__main__.__file__` / `__spec__` when the process starts; they are put back right after."""
+    main = sys.modules.get("__main__")
+    if main is None or spec.partition(":")[0] in ("__main__", "__mp_main__"):
+        yield
+        return
+    saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # spawn reads it unguarded; None (a script) with no file: nothing to import
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 class _Worker:
     """One spawned process that scores one item at a time over a pipe."""
 
@@ -220,7 +242,8 @@ class _Worker:
         self.process = context.Process(
             target=_worker_main, args=(child_conn, spec, list(sys.path)), daemon=True, name="meshrl-reward-worker"
         )
-        self.process.start()
+        with _main_script_hidden(spec):
+            self.process.start()
         child_conn.close()  # so that recv() here raises EOFError once the worker exits
         self.ready = False
         self.index: int | None = None
@@ -246,7 +269,8 @@ class RewardFunctionRunner:
     longer than `timeout_s` on one item scores 0.0 for that item; its worker is killed and replaced after a timeout.
     Failures are counted per call in the stats ("reward_fn/errors", "reward_fn/timeouts"); only the first traceback
     and the first timeout are logged. Workers use the "spawn" start method (fork is unsafe once torch has started
-    threads), so the main script must guard its entry point with `if __name__ == "__main__":`.
+    threads) without running the main script (_main_script_hidden), except for a function defined there
+    ("__main__:f"), for which the script must guard its entry point with `if __name__ == "__main__":`.
     """
 
     def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 10.0):

@@ -267,3 +267,29 @@ def test_the_start_up_check_needs_a_finite_number():
         assert runner.last_failed == {1, 2} and stats["reward_fn/errors"] == 2 and "deliberate" in runner.last_error
     with pytest.raises(ValueError, match="needs a ground truth"):
         RewardFunctionRunner("exact_match").check("", None, "p", {}, "the first eval record")
+
+
+def test_workers_do_not_run_the_main_script(tmp_path):
+    """Spawn makes a child import its parent's main script (for train_ppo.py: torch, transformers, every role, seconds
+    and hundreds of MB per worker); the workers skip it, unless the reward function lives there ("__main__:f").
+    The main script here leaves a file behind each time it runs as a worker's __mp_main__."""
+    script = tmp_path / "owner.py"
+    marks = tmp_path / "marks"
+    script.write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(ROOT)!r}]\n"
+        "OWNER_SCRIPT = True\n"
+        "if __name__ == '__mp_main__':\n"
+        f"    open({str(marks)!r}, 'a').write('ran\\n')\n"
+        "from tasks.rewards import RewardFunctionRunner\n"
+        "def here(response, ground_truth, prompt):\n"
+        "    return 7.0\n"
+        "if __name__ == '__main__':\n"
+        "    with RewardFunctionRunner('tests.user_rewards:main_script_ran', num_workers=2) as r:\n"
+        "        print(r(['a', 'b', 'c'], [None] * 3, [''] * 3)[0])\n"
+        "    with RewardFunctionRunner('__main__:here', num_workers=1) as r:\n"
+        "        print(r(['a'], [None], [''])[0])\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["[0.0, 0.0, 0.0]", "[7.0]"], result.stdout + result.stderr[-3000:]
+    assert marks.read_text() == "ran\n", "only the worker of the '__main__:here' runner ran the script"

@@ -98,3 +98,11 @@ def fails_on_eval(response, ground_truth, prompt):
     if ground_truth == "eval-only" and response != ground_truth:
         raise RuntimeError(f"deliberate eval failure on {response!r}")
     return ones_fraction(response, ground_truth, prompt)
+
+
+def main_script_ran(response, ground_truth, prompt):
+    """1.0 when this worker process ran its parent's main script (spawn runs it as __mp_main__; a test's script sets
+    OWNER_SCRIPT there), else 0.0."""
+    import sys
+
+    return float(getattr(sys.modules.get("__mp_main__"), "OWNER_SCRIPT", False))
