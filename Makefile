@@ -21,10 +21,10 @@ quickstart: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# two pytest workers, each test given to whichever is free (a CPU-bound suite of multi-process launches: ~19 -> ~30
+# two pytest workers, a test file each at a time (a CPU-bound suite of multi-process launches: ~19 -> ~30
 # minutes on 2 cores without them); `$(PY) -m pytest tests/test_x.py` runs one file alone
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

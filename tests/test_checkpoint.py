@@ -97,9 +97,9 @@ def test_sigterm_saves_and_exits_zero_then_resume_finishes(assets, tmp_path):  #
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == list(range(last + 3))
 
 
-def test_sigkill_under_torchrun_restarts_and_resumes_then_resumes_on_two_ranks(assets, tmp_path):  # noqa: F811
+def test_sigkill_under_torchrun_restarts_and_resumes_then_resumes_on_one_rank(assets, tmp_path):  # noqa: F811
     cfg = config(tmp_path, assets, "e", run={"total_steps": 8}, checkpoint={"save_every": 2})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--max-restarts=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            "train_ppo.py", "--config", cfg]
     agent = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = tmp_path / "runs" / "t" / "checkpoints" / "latest"
@@ -109,18 +109,18 @@ def test_sigkill_under_torchrun_restarts_and_resumes_then_resumes_on_two_ranks(a
         time.sleep(0.2)
     workers = subprocess.run(["pgrep", "-P", str(agent.pid), "-f", "train_ppo.py"], capture_output=True,
                              text=True).stdout.split()
-    assert len(workers) == 4, workers
-    subprocess.run(["kill", "-9", workers[2]], check=True)
+    assert len(workers) == 2, workers
+    subprocess.run(["kill", "-9", workers[1]], check=True)
     out, err = agent.communicate(timeout=400)
     assert agent.returncode == 0, err[-6000:]
     assert "resumed from" in err, err[-6000:]
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == list(range(9)), "every step exactly once"
 
-    # the same run, continued on 2 ranks: DCP reshards the 4-rank checkpoint
+    # the same run, continued on 1 rank: DCP reshards the 2-rank checkpoint
     more = config(tmp_path, assets, "f", run={"total_steps": 10})
-    proc = torchrun(["train_ppo.py", "--config", more], nproc=2, timeout=300)
+    proc = torchrun(["train_ppo.py", "--config", more], nproc=1, timeout=300)
     assert proc.returncode == 0, explain(proc)
-    assert "written by 4 ranks, this run has 2" in proc.stderr, explain(proc)
+    assert "written by 2 ranks, this run has 1" in proc.stderr, explain(proc)
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == list(range(11))
 
 
