@@ -345,6 +345,11 @@ def _next_power_of_two(n: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, int32 zeros: decode_attention's merge counters
+# replaced buffers stay allocated: a CUDA graph captured with one keeps its address
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+# the in-kernel merge holds [query heads, splits, head_dim] floats in every split program (registers for the whole
+# kernel): past this many splits (small batches, long contexts) the second kernel merges instead
+MERGE_IN_KERNEL_MAX_SPLITS = 8
 
 
 def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
@@ -354,6 +359,8 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     if have is None or have.numel() < needed:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if have is not None:
+            _RETIRED_COUNTERS.append(have)
         have = _COUNTERS[device] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
     return have
 
@@ -366,8 +373,8 @@ def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     slot b, scale 1/sqrt(D), query head h reading key/value head h // (H / KVH). length (>= 1) sizes the splits:
     positions from length rounded up to whole splits on are never read, so a slot with pos >= length (a finished
     one still in the decode batch, whose output is unused) gets attention over a prefix only. splits: 0 picks the
-    count (split_count). merge_in_kernel: the last split of each (slot, kv head) merges them (merge_counters), else
-    a second kernel does. Returns [B, H, D] in q's dtype."""
+    count (split_count). merge_in_kernel: the last split of each (slot, kv head) merges them (merge_counters; up to
+    MERGE_IN_KERNEL_MAX_SPLITS splits), else a second kernel does. Returns [B, H, D] in q's dtype."""
     if length < 1:
         raise ValueError(f"length must be >= 1 (the context the attention may read), got {length}")
     q = q.contiguous()
@@ -383,7 +390,7 @@ def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if splits == 1:
         m_part = l_part = acc_part = out  # unused by the kernel
     else:
-        if merge_in_kernel:
+        if merge_in_kernel and splits <= MERGE_IN_KERNEL_MAX_SPLITS:
             counters = merge_counters(q.device, batch * kv_heads)
         m_part = torch.empty(batch * heads * splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)

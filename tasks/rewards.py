@@ -212,6 +212,9 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             conn.send(("scored", index, score))
 
 
+_MAIN_HIDDEN_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _main_script_hidden(spec: str):
     """Start a spawned process without it running the main script: spawn makes the child import the parent's
@@ -222,14 +225,15 @@ def _main_script_hidden(spec: str):
     if main is None or spec.partition(":")[0] in ("__main__", "__mp_main__"):
         yield
         return
-    saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None  # spawn reads it unguarded; None (a script) with no file: nothing to import
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+    with _MAIN_HIDDEN_LOCK:  # two runners starting workers from two threads must not save each other's hidden state
+        saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None  # spawn reads it unguarded; None (a script) with no file: nothing to import
+        try:
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 class _Worker:
