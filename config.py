@@ -129,6 +129,10 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["native", "vllm"] = "native"  # vllm: the embedded vLLM engine (rollout/vllm.py, an extra)
+    # which ranks generate (rollout/world.py): actor = the actor pool's; all = every rank of the world, those outside
+    # the actor's pool (split placement) on a copy of its weights broadcast before each rollout; auto = all with
+    # vLLM (its engines span the world), actor with the native engine
+    ranks: Literal["auto", "actor", "all"] = "auto"
     n: int = 1  # samples per prompt (GRPO/RLOO groups)
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -730,13 +734,13 @@ def check_triton_kernels(cfg: Config, this_machine: bool = True) -> None:
 
 
 def check_vllm(cfg: Config, world_size: int, this_machine: bool = True) -> None:
-    """rollout.engine=vllm: colocated roles, vllm_tp dividing the world, a GPU, vLLM importable."""
+    """rollout.engine=vllm: engines over the whole world, vllm_tp dividing it, a GPU, vLLM importable."""
     import importlib.util
 
-    if cfg.placement.mode != "colocate":
-        raise ConfigError("rollout.engine=vllm with placement.mode=split is not built yet (the whole-world rollout "
-                          "with the actor's weights broadcast needs several GPUs to verify); use placement.mode="
-                          "colocate, or rollout.engine=native with split pools")
+    if cfg.rollout.ranks == "actor" and cfg.placement.mode == "split":
+        raise ConfigError("rollout.ranks=actor with rollout.engine=vllm and placement.mode=split: vLLM's external "
+                          "launcher makes every rank of the world an engine worker, so the rollout spans the world; "
+                          "use rollout.ranks=auto (or all)")
     tp = cfg.rollout.vllm_tp
     if tp < 1 or world_size % tp:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -970,6 +974,14 @@ def old_logprobs_pass(cfg: Config) -> str | None:
     if algo.replay.enabled:
         return "algorithm.replay: replayed samples keep the log-probs of the policy that sampled them"
     return None
+
+
+def world_rollout(cfg: Config) -> bool:
+    """Whether the rollout runs through rollout/world.py: on vLLM's engines (any placement), or on every rank of
+    split pools (rollout.ranks=all). Otherwise the actor's pool generates on its own parameters in place."""
+    if cfg.rollout.engine == "vllm":
+        return True
+    return cfg.rollout.ranks == "all" and cfg.placement.mode == "split"
 
 
 def required_roles(cfg: Config) -> tuple[str, ...]:

@@ -347,10 +347,14 @@ def sequences_per_rank(cfg: C.Config, dp: int) -> int:
     return seqs
 
 
-def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int, gpu: int) -> EnginePlan:
-    r, tp = cfg.rollout, pool.tp
+def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int, gpu: int,
+                engines: int | None = None) -> EnginePlan:
+    """engines: how many engines share the prompts (the actor pool's dp size unless the rollout spans the world);
+    a pool without the actor holds a whole copy of its weights (a replica, tp 1) or its vLLM engine."""
+    r = cfg.rollout
+    tp = pool.tp if "actor" in pool.roles else 1
     slot_len = _ceil_div(cfg.data.max_prompt_len + r.max_new_tokens, 8) * 8
-    seqs = sequences_per_rank(cfg, pool.size // tp)
+    seqs = sequences_per_rank(cfg, engines or pool.size // tp)
     if r.engine == "vllm":
         share, weights = int(r.gpu_memory_utilization * gpu), 2 * m.local_numel(r.vllm_tp, 1)
         error = None if share > weights else (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} gives "
@@ -420,12 +424,25 @@ class PoolPlan:
         return not self.over(gpu)
 
 
-def pool_plan(cfg: C.Config, models: dict, pool: C.PoolConfig, index: int, first_rank: int, gpu: int) -> PoolPlan:
+def world_engines(cfg: C.Config, world: int) -> int | None:
+    """How many engines generate when the rollout spans the world (rollout/world.py), else None: vLLM's blocks of
+    rollout.vllm_tp ranks, or the actor pool's dp ranks plus every rank outside it."""
+    if not C.world_rollout(cfg):
+        return None
+    if cfg.rollout.engine == "vllm":
+        return world // cfg.rollout.vllm_tp
+    actor = next(p for p in C.pools_of(cfg, world) if "actor" in p.roles)
+    return actor.size // actor.tp + world - actor.size
+
+
+def pool_plan(cfg: C.Config, models: dict, pool: C.PoolConfig, index: int, first_rank: int, gpu: int,
+              engines: int | None = None) -> PoolPlan:
     dp_shard = pool.size // (pool.tp * pool.dp_replicate)
     roles = {r: role_plan(cfg, r, models[r], pool.tp, dp_shard, pool.size // pool.tp) if models[r] else None
              for r in C.ROLES if r in pool.roles and r in models}
     resident = sum(p.params + p.optim for p in roles.values() if p)
-    engine = engine_plan(cfg, models["actor"], pool, resident, gpu) if "actor" in roles else None
+    generates = "actor" in roles or engines is not None  # engines: the rollout spans the world
+    engine = engine_plan(cfg, models["actor"], pool, resident, gpu, engines) if generates else None
     out = PoolPlan(index, pool.name or f"pool{index}", first_rank, pool, dp_shard, roles, engine)
     if engine is not None:
         out.phases["rollout"] = resident + engine.total
@@ -455,8 +472,9 @@ def make_plan(cfg: C.Config, world: int, gpu: int) -> Plan:
     """The plan of a checked config (check_plan) on `world` ranks of `gpu` bytes each."""
     models = role_models(cfg)
     pools, start = [], 0
+    engines = world_engines(cfg, world)
     for i, pool in enumerate(C.pools_of(cfg, world)):
-        pools.append(pool_plan(cfg, models, pool, i, start, gpu))
+        pools.append(pool_plan(cfg, models, pool, i, start, gpu, engines))
         start += pool.size
     return Plan(world, gpu, pools)
 

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
 import config as C
@@ -49,15 +49,17 @@ from monitor import (
 )
 from parallel import comm
 from parallel.distributed import comm_device, env_world, exit_process, init_distributed, reducer, shutdown
+from parallel.fsdp import DTYPES
 from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
-from roles.actor import Actor
+from roles.actor import Actor, native_engine_options
 from roles.critic import Critic
 from roles.modeling import all_reduce_sum
 from roles.reference import Reference
 from roles.reward import Reward, decode_responses
 from rollout.api import stop_token_ids
 from rollout.native import RolloutOutput, SamplingParams
+from rollout.world import Replica, WorldRollout, units_in_blocks, units_of_split
 from tasks.data import PromptDataset, PromptSampler, load_eval_records, load_prompt_records, padding_id
 from tasks.offline import OfflineRollouts, load_offline_groups, rollout_files, write_rollouts
 
@@ -143,7 +145,7 @@ class PPOTrainer:
         trust = cfg.model.trust_remote_code
         hosts = layout.hosts
         self.actor = Actor(path, cfg.actor, self.pools["actor"], device, pad, self.total_steps, trust, cfg.comm,
-                           cfg.rollout, cfg.data.max_prompt_len, cfg.run.seed) if hosts("actor") else None
+                           cfg.rollout) if hosts("actor") else None
         self.critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.critic, self.pools["critic"], device,
                              self.total_steps, trust, cfg.comm) if self.use_critic and hosts("critic") else None
         self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
@@ -151,6 +153,11 @@ class PPOTrainer:
                                    ) if self.use_ref and hosts("reference") else None
         self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
                              trust) if "reward" in self.pools and hosts("reward") else None
+
+        # vLLM's engines, or every rank of split pools, generate through rollout/world.py; each rank builds its side
+        # here, at the same point (the engines' start-up is collective over the world)
+        self.rollout = self._world_rollout(path, pad, device) if C.world_rollout(cfg) else None
+        self.weights_version = 0  # the actor updates behind the current weights (the rollout syncs when it changes)
 
         self._check_rewards()
         stops = stop_token_ids(path, self.tokenizer, cfg.rollout.stop_token_ids, trust)
@@ -164,7 +171,9 @@ class PPOTrainer:
         self.replay = ReplayBuffer(rp.capacity, rp.quality_threshold, rp.mix_fraction, rp.unit, cfg.run.seed) \
             if rp.enabled else None
         actor_pool = self.pools["actor"]
-        seed = cfg.run.seed * 1_000_003 + max(actor_pool.dp_rank, 0)
+        # one stream per engine: the actor's dp rank, or the rollout unit when engines are laid out apart
+        stream = self.rollout.unit if self.rollout is not None else max(actor_pool.dp_rank, 0)
+        seed = cfg.run.seed * 1_000_003 + stream
         self.gen_rng = torch.Generator(device=device).manual_seed(seed)  # sampling tokens
         self.cpu_rng = torch.Generator().manual_seed(seed)  # shuffles, resampling
         self.comm_timer = comm.CommTimer(device)
@@ -207,6 +216,35 @@ class PPOTrainer:
             raise ValueError(problem or "a reward function failed its start-up call on another rank (its log says "
                              "why)")
 
+    def _world_rollout(self, path: str, pad: int, device: torch.device) -> WorldRollout:
+        cfg, r = self.cfg, self.cfg.rollout
+        actor_pool, world = self.pools["actor"], self.layout.world_size
+        trust = cfg.model.trust_remote_code
+        if r.engine == "vllm":
+            from rollout.vllm import VLLMEngine  # vLLM is an optional extra
+
+            engine = VLLMEngine(path, pad, tp=r.vllm_tp, gpu_memory_utilization=r.gpu_memory_utilization,
+                                sleep_level=r.vllm_sleep_level, seed=cfg.run.seed, trust_remote_code=trust,
+                                max_model_len=cfg.data.max_prompt_len + r.max_new_tokens)
+            return WorldRollout(engine, units_in_blocks(world, r.vllm_tp), actor_pool,
+                                self.actor.model if self.actor is not None else None, pad, torch.bfloat16, device)
+        dtype = DTYPES[cfg.actor.fsdp.param_dtype]  # what the actor's engines generate with, unsharded
+        if self.actor is not None:
+            engine = self.actor.engine
+        else:
+            arch = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(arch, dtype=dtype, trust_remote_code=trust)
+            engine = Replica(model, pad, **native_engine_options(r))
+        return WorldRollout(engine, units_of_split(world, actor_pool), actor_pool,
+                            self.actor.model if self.actor is not None else None, pad, dtype, device)
+
+    def _engine_stats(self) -> tuple[float, dict[str, float]]:
+        """(timing_s/reshard, the engine's stats) of the last rollout."""
+        if self.rollout is not None:
+            return self.rollout.stats.get("reshard_s", 0.0), self.rollout.engine.stats
+        return self.actor.engine.stats.get("reshard_s", 0.0), self.actor.engine.stats
+
     def _anyone(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on some rank (a world all-reduce)."""
         value = torch.tensor([float(flag)], device=comm_device())
@@ -222,17 +260,21 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         indices = self.sampler.next_batch()  # the same global list on every rank
 
-        # 1. rollout on the actor pool, each dp rank its share of the prompts
+        # 1. rollout for the actor pool, each dp rank its share of the prompts (generated on the actor's ranks, or
+        # on every rank through rollout/world.py)
         batch, rows = None, None
+        if self.offline and self.actor is not None:
+            with t("replay"):
+                batch = self._replay(indices)
+        elif not self.offline and (self.actor is not None or self.rollout is not None):
+            with t("gen"):
+                batch = self._generate(self.train_set, indices, self.train_params)
+            reshard_s, engine_stats = self._engine_stats()
+            times["timing_s/reshard"] = reshard_s
+            if "memory_gb" in engine_stats:
+                metrics["rollout/vllm_memory_gb"] = engine_stats["memory_gb"]
         if self.actor is not None:
-            with t("replay" if self.offline else "gen"):
-                batch = self._replay(indices) if self.offline else \
-                    self._generate(self.train_set, indices, self.train_params)
             rows = batch["input_ids"].shape[0]
-            if not self.offline:
-                times["timing_s/reshard"] = self.actor.engine.stats.get("reshard_s", 0.0)
-            if "memory_gb" in self.actor.engine.stats:
-                metrics["rollout/vllm_memory_gb"] = self.actor.engine.stats["memory_gb"]
             tokens = (batch["prompt_len"] + batch["response_len"]).sum()
             metrics["perf/total_tokens"] = float(all_reduce_sum(tokens, P["actor"].dp_group))
 
@@ -309,14 +351,22 @@ class PPOTrainer:
                 metrics.update(self.actor.update(batch, cfg.rollout.temperature, kl_loss, algo.kl.loss_kind,
                                                  cfg.rollout.max_new_tokens, self.cpu_rng))
             self._guard_rails(metrics)
+        self.weights_version = step
         metrics.update(times)
         return metrics
 
-    def _generate(self, dataset: PromptDataset, indices: list[int], params: SamplingParams) -> Batch:
+    def _generate(self, dataset: PromptDataset, indices: list[int], params: SamplingParams) -> Batch | None:
+        """This actor dp rank's share of `indices`, sampled; None on ranks outside the actor's pool (which join a
+        world rollout)."""
         pool = self.pools["actor"]
-        mine = indices[pool.dp_rank :: pool.dp_size]
-        prompts = [dataset[i]["prompt_ids"] for i in mine]
-        out = self.actor.generate(prompts, params, self.gen_rng)
+        mine = indices[pool.dp_rank :: pool.dp_size] if self.actor is not None else []
+        prompts = [dataset[i]["prompt_ids"] for i in mine] if self.actor is not None else None
+        if self.rollout is not None:
+            out = self.rollout.generate(prompts, params, self.gen_rng, self.weights_version)
+        else:
+            out = self.actor.generate(prompts, params, self.gen_rng)
+        if self.actor is None:
+            return None
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
 
     def _replay(self, indices: list[int]) -> Batch:
@@ -398,18 +448,24 @@ class PPOTrainer:
         # compares weights, not truncations
         whole = dataclasses.replace(self.train_params, top_p=1.0, top_k=0)
         batch = self._generate(self.train_set, list(range(min(8, len(self.train_set)))), whole)
-        old = self.actor.log_probs(batch, self.cfg.rollout.temperature)
-        mask = batch["response_mask"]
-        totals = self.dp_reduce(torch.stack([((old - batch["rollout_logprobs"]).abs() * mask).sum(), mask.sum()]))
+        totals = torch.zeros(2, device=comm_device())
+        if self.actor is not None:
+            old = self.actor.log_probs(batch, self.cfg.rollout.temperature)
+            mask = batch["response_mask"]
+            if self.pools["actor"].tp_rank == 0:  # tp peers hold the same batch: count it once
+                totals += torch.stack([((old - batch["rollout_logprobs"]).abs() * mask).sum(), mask.sum()]).to(
+                    totals.device, torch.float32)
+        dist.all_reduce(totals)  # every rank learns the gap, and stops on it together
         gap = float(totals[0] / totals[1].clamp(min=1))
         limit = self.cfg.rollout.vllm_max_logprob_gap
         if gap > limit:
             raise RuntimeError(f"the vLLM engine's log-probs differ from the actor's by {gap:.3f} nats per token on "
                                f"average (rollout.vllm_max_logprob_gap={limit}): its weights do not match the actor's")
+        stats = self.rollout.engine.stats
         if self.rank == 0:
             log.info("vLLM engine: started in %.1f s, weights synced in %.3f s, log-prob gap %.4f nats per token",
-                     self.actor.engine.stats["engine_init_s"], self.actor.engine.stats["reshard_s"], gap)
-        return {"rollout/startup_logprob_gap": gap, "timing_s/engine_init": self.actor.engine.stats["engine_init_s"]}
+                     stats["engine_init_s"], self.rollout.stats["reshard_s"], gap)
+        return {"rollout/startup_logprob_gap": gap, "timing_s/engine_init": stats["engine_init_s"]}
 
     # ------------------------------------------------------------------------------------------------ eval
     def evaluate(self) -> tuple[dict[str, float], list[tuple[int, str, str, float]]]:
@@ -423,7 +479,7 @@ class PPOTrainer:
             if not self.cfg.data.eval_size or taken[item["file"]] <= self.cfg.data.eval_size:
                 indices.append(i)
         batch = None
-        if self.actor is not None:
+        if self.actor is not None or self.rollout is not None:
             batch = self._generate(self.eval_set, indices, self.eval_params)
         to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
         scores = {}
@@ -453,6 +509,7 @@ class PPOTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         start, before = self._resume()
+        self.weights_version = start
         if self.rank == 0 and cfg.run.wandb:  # after the resume check: a refused resume leaves W&B untouched
             self.logger.open_wandb(fresh=start == 0, project=cfg.run.wandb_project, entity=cfg.run.wandb_entity,
                                    name=cfg.run.name, config=C.to_dict(cfg))

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from algo.losses import logprobs_from_logits  # noqa: E402
+from parallel.reshard import weight_buckets  # noqa: E402
 from rollout.native import NativeEngine, SamplingParams  # noqa: E402
 from rollout.vllm import VLLMEngine  # noqa: E402
 
@@ -70,9 +71,9 @@ def main() -> None:
     torch.cuda.set_device(device)
     model, path, trained = load(args.model, device)
     vocab = model.config.vocab_size
-    engine = VLLMEngine(model, path, pad_token_id=0, owner=0, gpu_memory_utilization=args.gpu_memory_utilization,
+    engine = VLLMEngine(path, pad_token_id=0, gpu_memory_utilization=args.gpu_memory_utilization,
                         max_model_len=args.prompt_len + args.new + 8)
-    sync_s = [engine.sync_weights() for _ in range(3)]
+    sync_s = [engine.sync_weights(weight_buckets(model, dtype=torch.bfloat16, device=device)) for _ in range(3)]
     rows = [("engine init s", f"{engine.stats['engine_init_s']:.1f}"),
             ("weight sync s (3 runs)", " / ".join(f"{s:.3f}" for s in sync_s))]
 

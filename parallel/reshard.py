@@ -5,6 +5,10 @@ in its own layout; after every optimizer step the trainer's FSDP2 / TP shards ar
 handed over in buckets of bounded size, so the trainer holds at most one bucket of whole tensors beside its shards,
 and nothing is written to disk.
 
+Split placement: ranks outside the actor's pool generate too (rollout/world.py). They hold no shard, so one rank of
+the actor pool sends each bucket on to them (`broadcast_buckets`): one byte buffer per bucket, its names, shapes and
+dtypes sent ahead.
+
 Buffers: HF checkpoints hold a module's `state_dict()`, i.e. its parameters and its *persistent* buffers. Llama and
 Qwen2 have no persistent buffers (`rotary_emb.inv_freq` and `original_inv_freq` are non-persistent: the engine
 recomputes them from the config), so for them the stream is exactly `named_parameters()`; persistent buffers of other
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -68,7 +73,7 @@ def weight_buckets(
         module.reshard()
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in _named_tensors(model):
+    for name, tensor in named_weights(model):
         tensor = _whole(tensor, dtype, device)
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
@@ -80,7 +85,7 @@ def weight_buckets(
         yield bucket
 
 
-def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters then persistent buffers: the entries of an HF checkpoint, tied duplicates once."""
     yield from model.named_parameters()
     for module_name, module in model.named_modules():
@@ -100,3 +105,44 @@ def _whole(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Ten
                                         shape=tensor.shape, stride=tensor.stride())
         tensor = tensor.full_tensor()
     return tensor.detach().to(device=device, dtype=dtype)
+
+
+_ALIGN = 16  # every tensor of a broadcast bucket starts at a multiple of this many bytes: any dtype can view it
+
+
+def broadcast_buckets(buckets: Iterator[list[tuple[str, torch.Tensor]]] | None, group: dist.ProcessGroup, src: int,
+                      device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Send a stream of weight buckets (`weight_buckets`) from global rank `src` to every rank of `group`.
+
+    On `src`, `buckets` is the stream: each bucket is sent and yielded unchanged. On the other ranks `buckets` is None
+    and the received buckets are yielded: the same (name, tensor) lists, the tensors views into one byte buffer per
+    bucket on `device` (the group's collective device), valid until the next bucket arrives. Every rank of `group`
+    must consume the stream to its end; the sender's own collectives (the gathers of `weight_buckets`) go on between
+    the broadcasts, so the ranks of its pool consume theirs alongside.
+    """
+    sending = dist.get_rank() == src
+    while True:
+        bucket = next(buckets, None) if sending else None
+        header: list = [None]
+        if sending and bucket is not None:
+            header[0] = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+        dist.broadcast_object_list(header, src=src, group=group, device=device)
+        if header[0] is None:  # the end of the stream
+            return
+        offsets, size = [], 0
+        for _, shape, dtype in header[0]:
+            offsets.append(size)
+            size += -(-torch.Size(shape).numel() * dtype.itemsize // _ALIGN) * _ALIGN
+        if sending:
+            buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+            for (_, tensor), start in zip(bucket, offsets):
+                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                buffer[start : start + raw.numel()].copy_(raw)
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        dist.broadcast(buffer, src=src, group=group)
+        if sending:
+            yield bucket
+            continue
+        yield [(name, buffer[start : start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape))
+               for (name, shape, dtype), start in zip(header[0], offsets)]

@@ -26,10 +26,19 @@ from roles.modeling import (
 from rollout.native import NativeEngine, RolloutOutput, SamplingParams, fallback_reason
 
 
+def native_engine_options(r) -> dict:
+    """NativeEngine's options from config.RolloutConfig (None: the engine's defaults)."""
+    if r is None:
+        return {}
+    return dict(max_num_seqs=r.max_num_seqs, kv_cache_tokens=r.kv_cache_tokens,
+                gpu_memory_utilization=r.gpu_memory_utilization, max_prefill_tokens=r.max_prefill_tokens,
+                cuda_graphs=r.cuda_graphs, compile=r.compile, compact_forward=r.compact_forward,
+                fused_projections=r.fused_projections, decode_kernels=r.decode_kernels)
+
+
 class Actor:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, pad_token_id: int, total_steps: int,
-                 trust_remote_code: bool = False, comm_cfg=None, rollout_cfg=None, max_prompt_len: int = 1024,
-                 seed: int = 0):
+                 trust_remote_code: bool = False, comm_cfg=None, rollout_cfg=None):
         """cfg: config.ActorConfig; rollout_cfg: config.RolloutConfig (the engine and its sizes and switches)."""
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
@@ -47,34 +56,17 @@ class Actor:
         self.lr_scale = 1.0  # guard rails back the learning rate off through this
         self.step_count = 0
         self.skips_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
-        self.synced_step = None  # the update count whose weights the vLLM engine holds
-        if r is not None and r.engine == "vllm":
-            from rollout.vllm import VLLMEngine  # vLLM is an optional extra
-
-            self.engine = VLLMEngine(self.model, path, pad_token_id, pool.dp_rank, tp=r.vllm_tp,
-                                     gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.vllm_sleep_level,
-                                     max_model_len=max_prompt_len + r.max_new_tokens, seed=seed,
-                                     trust_remote_code=trust_remote_code)
-            return
-        tp_group = pool.mesh.get_group("tp") if pool.tp > 1 else None
-        engine_options = {} if r is None else dict(
-            max_num_seqs=r.max_num_seqs, kv_cache_tokens=r.kv_cache_tokens,
-            gpu_memory_utilization=r.gpu_memory_utilization, max_prefill_tokens=r.max_prefill_tokens,
-            cuda_graphs=r.cuda_graphs, compile=r.compile, compact_forward=r.compact_forward,
-            fused_projections=r.fused_projections, decode_kernels=r.decode_kernels)
-        engine_options["reshard_after_forward"] = cfg.fsdp.reshard_after_forward
-        self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group,
-                                   **engine_options)
+        self.engine = None  # the vLLM engines are built beside the roles, on every rank (train_ppo.py)
+        if r is None or r.engine == "native":
+            tp_group = pool.mesh.get_group("tp") if pool.tp > 1 else None
+            options = native_engine_options(r)
+            options["reshard_after_forward"] = cfg.fsdp.reshard_after_forward
+            self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group,
+                                       **options)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None) -> RolloutOutput:
-        """Responses from the engine; a separate engine (vLLM) first takes the weights of the latest update
-        (engine.stats["reshard_s"]: the sync, 0 when the weights were current; the native engine reports its
-        unshard / reshard time there)."""
-        if hasattr(self.engine, "sync_weights"):
-            self.engine.stats["reshard_s"] = 0.0
-            if self.synced_step != self.step_count or not self.engine.loaded:
-                self.engine.sync_weights()
-                self.synced_step = self.step_count
+        """Responses from the native engine on the actor's parameters in place (engine.stats["reshard_s"]: its
+        unshard / reshard time)."""
         return self.engine.generate(prompts, params, generator)
 
     @torch.no_grad()

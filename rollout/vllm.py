@@ -1,17 +1,18 @@
 """The embedded vLLM rollout engine (`rollout.engine: vllm`): vLLM in every rank's process, fed the actor's weights.
 
 vLLM's external launcher makes every rank of the torch world a vLLM worker; `rollout.vllm_tp` contiguous ranks form
-one engine (its tensor-parallel group). The engine starts with dummy weights (nothing is read from disk) and takes the
-actor's weights in place before every rollout that follows an update: `parallel/reshard.weight_buckets` gathers each
-FSDP2 / TP / HSDP shard to a full tensor, bucket by bucket, and vLLM's `load_weights` copies it into its own layout;
-then the prefix cache is reset. Between rollouts the engine sleeps (`rollout.vllm_sleep_level`: 1 keeps the weights
-in host memory, 2 drops them, which is fine here since every wake is followed by a sync) so the training step has
-the GPU.
+one engine (its tensor-parallel group), in colocated and in split placement alike. The engine starts with dummy
+weights (nothing is read from disk) and takes the actor's weights in place before every rollout that follows an
+update: `sync_weights` copies a stream of (hf_name, full tensor) buckets into vLLM's own layout with its
+`load_weights` (parallel/reshard.weight_buckets gathers them from the actor's FSDP2 / TP / HSDP shards; outside the
+actor's pool they arrive by broadcast, see rollout/world.py); then the prefix cache is reset. Between rollouts the
+engine sleeps (`rollout.vllm_sleep_level`: 1 keeps the weights in host memory, 2 drops them, which is fine here since
+every wake is followed by a sync) so the training step has the GPU.
 
-Prompts are identical inside a vLLM TP group: each engine generates for the union of its ranks' prompts (a rank's
-tp peers in the actor hold the same shard, counted once), and every rank takes its own outputs back, in order.
-Log-probs are vLLM's "processed" ones: the temperature-scaled distribution (after top-k / top-p truncation when
-those are on), so that `rollout/logprob_diff_max` compares them with the actor's teacher-forced log-probs.
+Every rank of an engine passes the same prompts (rollout/world.py deals them out); rank 0 of the engine draws the
+request seeds. Log-probs are vLLM's "processed" ones: the temperature-scaled distribution (after top-k / top-p
+truncation when those are on), so that `rollout/logprob_diff_max` compares them with the actor's teacher-forced
+log-probs.
 
 `vllm` is imported when an engine is built: the rest of meshrl runs without it (requirements-vllm.txt pins the pair
 that works: vllm 0.24.0 with torch 2.11.0).
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from parallel.reshard import weight_buckets
 from rollout.api import RolloutOutput, SamplingParams
+from rollout.world import units_in_blocks
 
 INSTALL_HINT = "pip install -r requirements-vllm.txt (vllm==0.24.0 with torch==2.11.0; see the README)"
 
@@ -40,48 +41,16 @@ def import_vllm():
     return vllm
 
 
-def engine_groups(world_size: int, tp: int) -> list[list[int]]:
-    """The ranks of each vLLM engine: contiguous blocks of `tp`, as vLLM's external launcher builds them."""
-    if tp < 1 or world_size % tp:
-        raise ValueError(f"rollout.vllm_tp={tp} must divide the world size {world_size}")
-    return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
-
-
-def generate_for_group(prompts: list[list[int]], owner: int, group: dist.ProcessGroup | None,
-                       generate_all: Callable[[list[list[int]]], list]) -> list:
-    """Run `generate_all` once on the union of the prompts of the ranks of `group` (one vLLM engine), identical on
-    each of them, and return this rank's own results in order.
-
-    prompts: this rank's prompts; owner: who holds them (the actor's data-parallel rank: tp peers of the actor pass
-    the same owner and the same prompts, which count once). generate_all(prompts) -> one result per prompt, in order.
-    The union is ordered by owner, so every rank of the group passes the same list. A group of one (or None) calls
-    generate_all on its own prompts.
-    """
-    if group is None or dist.get_world_size(group) == 1:
-        return generate_all(prompts)
-    shares: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shares, (owner, prompts), group=group)
-    by_owner = dict(sorted(shares))
-    union, start = [], {}
-    for who, theirs in by_owner.items():
-        start[who] = len(union)
-        union.extend(theirs)
-    results = generate_all(union)
-    return results[start[owner] : start[owner] + len(prompts)]
-
-
 class VLLMEngine:
     """vLLM behind the engine interface of rollout/native.py: generate(prompts, params, generator) -> RolloutOutput.
 
-    model: the actor's (sharded) HF model, the source of every weight sync; model_path: its HF folder (vLLM reads
-    the architecture from config.json, no weights); every rank of the world builds one at the same time.
-    owner: this rank's data-parallel index in the actor pool. gpu_memory_utilization: vLLM's share of the whole GPU
-    (weights + KV cache), requested when the engine starts, before the actor's optimizer state exists.
+    model_path: the actor's HF folder (vLLM reads the architecture from config.json, no weights); every rank of the
+    world builds one at the same time. gpu_memory_utilization: vLLM's share of the whole GPU (weights + KV cache),
+    requested when the engine starts, before the actor's optimizer state exists.
     """
 
-    def __init__(self, model, model_path: str, pad_token_id: int, owner: int, *, tp: int = 1,
-                 gpu_memory_utilization: float = 0.4, sleep_level: int = 1, max_model_len: int = 2048,
-                 seed: int = 0, trust_remote_code: bool = False, bucket_bytes: int = 256 << 20):
+    def __init__(self, model_path: str, pad_token_id: int, *, tp: int = 1, gpu_memory_utilization: float = 0.4,
+                 sleep_level: int = 1, max_model_len: int = 2048, seed: int = 0, trust_remote_code: bool = False):
         rank, world = dist.get_rank(), dist.get_world_size()
         # the external launcher runs the engine in this process and reads the torch world's coordinates from the
         # environment (a world of one started without torchrun has none)
@@ -90,10 +59,11 @@ class VLLMEngine:
                            ("MASTER_ADDR", "localhost"), ("MASTER_PORT", 29500)):
             os.environ.setdefault(key, str(value))
         vllm = import_vllm()
-        self.model, self.pad_token_id, self.owner, self.sleep_level = model, pad_token_id, owner, sleep_level
-        self.bucket_bytes = bucket_bytes
+        self.pad_token_id, self.sleep_level = pad_token_id, sleep_level
         self.group = None
-        for ranks in engine_groups(world, tp):  # every rank creates every group, in the same order
+        units = units_in_blocks(world, tp)
+        for unit in range(units.count):  # every rank creates every group, in the same order
+            ranks = [r for r in range(world) if units.unit_of[r] == unit]
             made = dist.new_group(ranks)
             if rank in ranks:
                 self.group = made
@@ -115,18 +85,17 @@ class VLLMEngine:
     def _vllm_model(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
-    def sync_weights(self) -> float:
-        """Stream the actor's weights into the engine (every rank of the actor pool calls: each full tensor is a
-        collective); returns the seconds it took. Only the weights wake for it: the KV cache stays asleep until the
-        next generate, so the sync's full tensors and the cache are never on the GPU together."""
+    def sync_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> float:
+        """Copy the actor's weights, a stream of (hf_name, full tensor) buckets, into the engine; returns the seconds
+        it took (the stream's gathers and broadcasts included). Only the weights wake for it: the KV cache stays
+        asleep until the next generate, so the sync's full tensors and the cache are never on the GPU together."""
         began = time.perf_counter()
         if not self.weights_awake:
             torch.cuda.empty_cache()  # see wake()
             self.llm.wake_up(tags=["weights"])
             self.weights_awake = True
         target = self._vllm_model()
-        device = next(target.parameters()).device
-        for bucket in weight_buckets(self.model, self.bucket_bytes, dtype=torch.bfloat16, device=device):
+        for bucket in buckets:
             target.load_weights(bucket)
         self.llm.reset_prefix_cache()
         self.loaded = True
@@ -160,9 +129,9 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None,
                  max_new_tokens: list[int] | None = None) -> RolloutOutput:
-        """Sample len(prompts) * params.n responses (RolloutOutput as the native engine's). generator seeds the
-        requests: rank 0 of each engine draws the seeds and shares them, so every rank of the engine asks the same.
-        max_new_tokens: optional per-prompt limits (benchmarks)."""
+        """Sample len(prompts) * params.n responses (RolloutOutput as the native engine's); every rank of the engine
+        passes the same prompts. generator seeds the requests: rank 0 of the engine draws the seeds and shares them,
+        so every rank of the engine asks the same. max_new_tokens: optional per-prompt limits (benchmarks)."""
         if not self.loaded:
             raise RuntimeError("the vLLM engine does not hold the actor's weights: call sync_weights() first (after "
                                "every actor update, and after every sleep at level 2)")
@@ -172,6 +141,8 @@ class VLLMEngine:
         limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
 
         def generate_all(batch: list) -> list:
+            if not batch:  # every rank of the engine was dealt none
+                return []
             # vLLM seeds a request's n samples seed, seed + 1, ..., seed + n - 1: a stride of n keeps every sample's
             # stream its own (base + i would give sample j + 1 of prompt i and sample j of prompt i + 1 one stream)
             seeds = [base + i * params.n for i in range(len(batch))]
@@ -186,7 +157,7 @@ class VLLMEngine:
                 for (_, limit), seed in zip(batch, shared[0])]
             return self.llm.generate(requests, sampling, use_tqdm=False)
 
-        outputs = generate_for_group(list(zip(prompts, limits)), self.owner, self.group, generate_all)
+        outputs = generate_all(list(zip(prompts, limits)))
         self.sleep()
         return self._rollout_output(prompts, params.n, outputs)
 

@@ -288,6 +288,25 @@ def test_json_gives_the_per_rank_totals(tmp_path, monkeypatch, capsys):
     assert plan["ranks"][1]["peak_bytes"] == 0  # GRPO: no critic, no reference; this pool idles
 
 
+def test_a_rollout_over_the_world_plans_an_engine_on_every_pool(tmp_path, monkeypatch, capsys):
+    # rollout.ranks=all: the pool without the actor generates too, on a whole copy of the actor's weights (tp 1)
+    config = write_config(tmp_path, reward_model=False)
+
+    def pools(tp: int, *extra: str) -> list[dict]:
+        placement = (f"placement.pools=[{{name: a, size: 2, roles: [actor, reward], tp: {tp}}},"
+                     " {name: b, size: 1, roles: [critic, reference]}]")
+        code, out, _ = plan_cli(["--config", config, "--plan", "--world", "3", "--gpu-memory", "80", "--json",
+                                 "placement.mode=split", placement, *extra], monkeypatch, capsys)
+        assert code == 0, out
+        return json.loads(out)["pools"]
+
+    whole = pools(1, "rollout.ranks=all")[0]["engine"]["weights"]  # the actor's engine at tp 1: the whole model
+    actor, other = pools(2, "rollout.ranks=all")
+    assert other["engine"]["kind"] == "native" and other["phases"]["rollout"] > 0
+    assert other["engine"]["weights"] == whole > actor["engine"]["weights"]
+    assert pools(2)[1]["engine"] is None  # rollout.ranks=auto with the native engine: the actor's pool alone
+
+
 def test_world_from_torchrun_environment(tmp_path, monkeypatch, capsys):
     import train_ppo
 

@@ -73,9 +73,12 @@ SPLIT = {"mode": "split", "pools": [
 
 
 def test_ppo_split_four_ranks_learns(assets, tmp_path):
-    # 5 eval prompts on 2 actor ranks: dealt 3 + 2, scored on the 1-rank reward pool, each score back to its sample
+    # every rank generates (rollout.ranks=all): the critic's and the reward's ranks on a copy of the actor's weights
+    # broadcast before each rollout, each sample back to its actor rank (test_checkpoint's split run generates on the
+    # actor's ranks only). 5 eval prompts on 2 actor ranks: dealt 3 + 2, generated on 3 engines, scored on the 1-rank
+    # reward pool, each score back to its sample
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", placement=SPLIT, run={"total_steps": 12},
-                       data={"eval_size": 5})
+                       data={"eval_size": 5}, rollout={"ranks": "all"})
     # a FutureWarning is an error here: none may come from our calls (torch 2.13 renamed FSDP2's collectives)
     proc = torchrun(["train_ppo.py", "--config", cfg], nproc=4, timeout=400, PYTHONWARNINGS="error::FutureWarning")
     assert proc.returncode == 0, explain(proc)
@@ -87,8 +90,11 @@ def test_ppo_split_four_ranks_learns(assets, tmp_path):
                 "perf/throughput", "perf/max_memory_allocated_gb"):
         assert key in rows[1], f"{key} missing from {sorted(rows[1])}"
     assert "eval/score/mean" in rows[0] and "eval/score/mean" in rows[-1]
-    # float32: the rollout's log-probs are the actor's teacher-forced ones (FSDP2 over the 2 actor ranks)
+    # float32: the rollout's log-probs are the actor's teacher-forced ones (FSDP2 over the 2 actor ranks): the
+    # replicas on ranks 2 and 3 hold the weights of the latest update
     assert max(r["rollout/logprob_diff_max"] for r in rows[1:]) < 1e-4
+    # a weight sync before every rollout after an update; step 1 generates on the weights the step-0 eval synced
+    assert rows[1]["timing_s/reshard"] == 0 and all(r["timing_s/reshard"] > 0 for r in rows[2:]), rows
     assert_learns(rows[1:])
     evals = [json.loads(line) for line in (tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()]
     for ev in evals:
