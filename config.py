@@ -687,6 +687,11 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("run.wandb=true but wandb is not installed: pip install wandb (or run.wandb=false)")
     actor = next(p for p in pools_of(cfg, world_size) if "actor" in p.roles)
+    if world_rollout(cfg) and cfg.comm.param_averaging and actor.dp_replicate > 1:
+        raise ConfigError("comm.param_averaging=true with a rollout over the world (rollout.engine=vllm or "
+                          "rollout.ranks=all): the actor's replicas hold different weights between averagings, and "
+                          "the engines take one copy; use comm.stale_allreduce or compression, or rollout.ranks=actor "
+                          "with the native engine")
     dp = actor.size // actor.tp
     if cfg.data.batch_size % dp:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be a multiple of the actor pool's "

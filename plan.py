@@ -446,6 +446,8 @@ def pool_plan(cfg: C.Config, models: dict, pool: C.PoolConfig, index: int, first
     out = PoolPlan(index, pool.name or f"pool{index}", first_rank, pool, dp_shard, roles, engine)
     if engine is not None:
         out.phases["rollout"] = resident + engine.total
+        if "actor" not in roles and engine.kind != "vllm":  # a native replica keeps its weights between rollouts
+            resident += engine.weights
     for role, p in roles.items():
         if p is None:
             continue

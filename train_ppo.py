@@ -171,11 +171,12 @@ class PPOTrainer:
         self.replay = ReplayBuffer(rp.capacity, rp.quality_threshold, rp.mix_fraction, rp.unit, cfg.run.seed) \
             if rp.enabled else None
         actor_pool = self.pools["actor"]
-        # one stream per engine: the actor's dp rank, or the rollout unit when engines are laid out apart
-        stream = self.rollout.unit if self.rollout is not None else max(actor_pool.dp_rank, 0)
-        seed = cfg.run.seed * 1_000_003 + stream
-        self.gen_rng = torch.Generator(device=device).manual_seed(seed)  # sampling tokens
-        self.cpu_rng = torch.Generator().manual_seed(seed)  # shuffles, resampling
+        seed = cfg.run.seed * 1_000_003 + max(actor_pool.dp_rank, 0)
+        # sampling tokens: one stream per engine (the actor's dp rank, or the rollout unit when engines are laid out
+        # apart); shuffles and resampling: one per actor dp rank, so that tp peers of every role draw alike
+        engine_seed = cfg.run.seed * 1_000_003 + self.rollout.unit if self.rollout is not None else seed
+        self.gen_rng = torch.Generator(device=device).manual_seed(engine_seed)
+        self.cpu_rng = torch.Generator().manual_seed(seed)
         self.comm_timer = comm.CommTimer(device)
         for role in (self.actor, self.critic, self.reference, self.reward):
             if role is not None and getattr(role, "model", None) is not None:

@@ -61,8 +61,9 @@ def weight_buckets(
     forward with reshard_after_forward=False streams its float32 master weights, not the `param_dtype` copies.
 
     Each tensor has the parameter's full shape (e.g. `[vocab, hidden]` for `model.embed_tokens.weight`), is detached,
-    cast to `dtype` and moved to `device` when given; otherwise it keeps the parameter's dtype and lies where the gather
-    left it (the mesh's device, also for CPU-offloaded shards) or, unsharded, where the parameter is. A tensor that
+    cast to `dtype` (floating-point tensors only) and moved to `device` when given; otherwise it keeps the
+    parameter's dtype and lies where the gather left it (the mesh's device, also for CPU-offloaded shards) or,
+    unsharded, where the parameter is. A tensor that
     needs no gather, cast or move shares storage with the parameter: copy it before the next update to keep it.
     A bucket's bytes (`numel * element_size` after the cast) are <= `bucket_bytes`, except a single tensor larger than
     the bound, which goes alone.
@@ -104,7 +105,8 @@ def _whole(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Ten
             tensor = DTensor.from_local(local.to(mesh.device_type), mesh, tensor.placements, run_check=False,
                                         shape=tensor.shape, stride=tensor.stride())
         tensor = tensor.full_tensor()
-    return tensor.detach().to(device=device, dtype=dtype)
+    # an integer buffer keeps its dtype: the cast is for the weights
+    return tensor.detach().to(device=device, dtype=dtype if tensor.is_floating_point() else None)
 
 
 _ALIGN = 16  # every tensor of a broadcast bucket starts at a multiple of this many bytes: any dtype can view it

@@ -69,6 +69,9 @@ class VLLMEngine:
                 self.group = made
         self.engine_index = rank // tp
         began = time.perf_counter()
+        # vLLM checks that gpu_memory_utilization x the GPU is free: the blocks PyTorch cached while the roles were
+        # loaded and sharded would count against it
+        torch.cuda.empty_cache()
         self.llm = vllm.LLM(
             model=model_path, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
             distributed_executor_backend="external_launcher", tensor_parallel_size=tp,

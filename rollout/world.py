@@ -97,22 +97,28 @@ class Replica:
         self._weights = {hf_name(name): tensor for name, tensor in named_weights(self.model)}
 
     def sync_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> float:
+        """Copy the stream into the replica's weights. The stream is read to its end before a mismatch is raised:
+        its sender goes on broadcasting whatever this rank makes of it."""
         began = time.perf_counter()
-        seen = set()
+        seen, problem = set(), None
         with torch.no_grad():
             for bucket in buckets:
                 for name, tensor in bucket:
                     target = self._weights.get(name)
                     if target is None or target.shape != tensor.shape:
                         found = "no such name" if target is None else f"shape {tuple(target.shape)}"
-                        raise ValueError(f"the actor's weight {name} {tuple(tensor.shape)} has no match in the rollout "
-                                         f"replica ({found}); the replica is built from the actor's config.json")
+                        problem = problem or (f"the actor's weight {name} {tuple(tensor.shape)} has no match in the "
+                                              f"rollout replica ({found}); the replica is built from the actor's "
+                                              "config.json")
+                        continue
                     target.copy_(tensor)
                     seen.add(name)
         missing = sorted(set(self._weights) - seen)
-        if missing:
-            raise ValueError(f"the actor's weight stream left out {len(missing)} weights of the rollout replica, "
-                             f"e.g. {missing[:3]}")
+        if problem is None and missing:
+            problem = (f"the actor's weight stream left out {len(missing)} weights of the rollout replica, e.g. "
+                       f"{missing[:3]}")
+        if problem is not None:
+            raise ValueError(problem)
         self.loaded = True
         self.stats["reshard_s"] = time.perf_counter() - began
         return self.stats["reshard_s"]
@@ -165,11 +171,16 @@ class WorldRollout:
             stream = weight_buckets(self.model, self.bucket_bytes, dtype=self.dtype, device=device)
         if self.broadcast_group is not None:
             stream = broadcast_buckets(stream, self.broadcast_group, self.src, comm_device(self.broadcast_group))
+        error = None
         if stream is not None:
-            if keeps_copy:
-                self.engine.sync_weights(stream)
-            else:
-                collections.deque(stream, maxlen=0)  # the gathers are collective over the actor's pool
+            try:
+                if keeps_copy:
+                    self.engine.sync_weights(stream)
+                else:
+                    collections.deque(stream, maxlen=0)  # the gathers are collective over the actor's pool
+            except Exception as e:  # noqa: BLE001 - every rank raises it, below
+                error = e
+        self._agree(error, "the weight sync")
         self.synced_version = version
         self.stats["reshard_s"] = time.perf_counter() - began
 
@@ -188,54 +199,75 @@ class WorldRollout:
         union = [(owner, index, prompt) for owner, theirs in by_owner.items() for index, prompt in enumerate(theirs)]
         start, end = chunks(len(union), self.units.count)[self.unit]
         mine = union[start:end]
-        out = self.engine.generate([prompt for _, _, prompt in mine], params, generator)
+        out, error = None, None
+        try:
+            out = self.engine.generate([prompt for _, _, prompt in mine], params, generator)
+        except Exception as e:  # noqa: BLE001 - every rank raises it, below
+            error = e
+        self._agree(error, "generation")
         received = self._exchange(out if self.leads else None, mine, params.n)
         if self.owner is None:
             return None
         return self._assemble(prompts, params.n, received)
 
-    def _exchange(self, out: RolloutOutput | None, mine: list, n: int) -> list[float]:
-        """Each unit's samples to the ranks of their owners; returns the float64 rows this rank received."""
-        parts: list[list[float]] = [[] for _ in range(self.world)]
-        if out is not None:
-            lengths = out.response_mask.sum(-1).tolist()
-            ids, logprobs = out.response_ids.tolist(), out.logprobs.double().tolist()
-            for k, (owner, index, _) in enumerate(mine):
-                for j in range(n):
-                    row, length = k * n + j, int(lengths[k * n + j])
-                    record = [index, j, length, *ids[row][:length], *logprobs[row][:length]]
-                    for rank in self.owner_ranks[owner]:
-                        parts[rank].extend(record)
-        device = comm_device()
-        sizes = [len(part) for part in parts]
-        counts = torch.tensor(sizes, dtype=torch.long, device=device)
-        incoming = torch.empty_like(counts)
-        dist.all_to_all_single(incoming, counts)
-        recv_sizes = incoming.tolist()
-        send = torch.tensor([x for part in parts for x in part], dtype=torch.float64, device=device)
-        recv = torch.empty(sum(recv_sizes), dtype=torch.float64, device=device)
-        dist.all_to_all_single(recv, send, recv_sizes, sizes)
-        return recv.tolist()
+    def _agree(self, error: Exception | None, what: str) -> None:
+        """Raise on every rank when `what` failed on some rank: the others would wait for it in the next collective.
+        The rank that failed raises its own error."""
+        flag = torch.tensor([float(error is not None)], device=comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if flag.item():
+            raise RuntimeError(f"{what} of the rollout failed on another rank (its log says why)")
 
-    def _assemble(self, prompts: list[list[int]], n: int, flat: list[float]) -> RolloutOutput:
-        rows: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
+    def _exchange(self, out: RolloutOutput | None, mine: list, n: int) -> torch.Tensor:
+        """Each unit's samples to the ranks of their owners; returns the float64 records this rank received (CPU)."""
+        parts = [torch.empty(0, dtype=torch.float64)] * self.world
+        if out is not None and mine:
+            out_device = out.response_mask.device
+            mask = out.response_mask.bool()
+            index = torch.tensor([index for _, index, _ in mine], device=out_device).repeat_interleave(n)
+            sample = torch.arange(n, device=out_device).repeat(len(mine))
+            header = torch.stack([index, sample, mask.sum(-1)], dim=1)
+            # one record per row: [prompt index, sample index, length, token ids..., log-probs...]; boolean indexing
+            # of the padded rows reads them row by row, so each row's kept entries come out as its record
+            table = torch.cat([header.double(), out.response_ids.double(), out.logprobs.double()], dim=1)
+            keep = torch.cat([torch.ones_like(header, dtype=torch.bool), mask, mask], dim=1)
+            owner_of_row = torch.tensor([owner for owner, _, _ in mine], device=out_device).repeat_interleave(n)
+            for owner, ranks in self.owner_ranks.items():
+                rows = owner_of_row == owner
+                if bool(rows.any()):
+                    record = table[rows][keep[rows]].cpu()
+                    for rank in ranks:
+                        parts[rank] = record
+        device = comm_device()
+        sizes = [part.numel() for part in parts]
+        incoming = torch.empty(self.world, dtype=torch.long, device=device)
+        dist.all_to_all_single(incoming, torch.tensor(sizes, dtype=torch.long, device=device))
+        recv_sizes = incoming.tolist()
+        recv = torch.empty(sum(recv_sizes), dtype=torch.float64, device=device)
+        dist.all_to_all_single(recv, torch.cat(parts).to(device), recv_sizes, sizes)
+        return recv.cpu()
+
+    def _assemble(self, prompts: list[list[int]], n: int, flat: torch.Tensor) -> RolloutOutput:
+        values = flat.numpy()
+        where: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt index, sample) -> (start of its tokens, length)
         pos = 0
-        while pos < len(flat):
-            index, j, length = int(flat[pos]), int(flat[pos + 1]), int(flat[pos + 2])
-            tokens = [int(t) for t in flat[pos + 3 : pos + 3 + length]]
-            rows[(index, j)] = (tokens, flat[pos + 3 + length : pos + 3 + 2 * length])
+        while pos < len(values):
+            length = int(values[pos + 2])
+            where[(int(values[pos]), int(values[pos + 1]))] = (pos + 3, length)
             pos += 3 + 2 * length
         expected = [(index, j) for index in range(len(prompts)) for j in range(n)]
-        if sorted(rows) != expected:
-            raise RuntimeError(f"the rollout returned {len(rows)} samples for {len(expected)} wanted")
-        width = max((len(rows[key][0]) for key in expected), default=0)
+        if sorted(where) != expected:
+            raise RuntimeError(f"the rollout returned {len(where)} samples for {len(expected)} wanted")
+        width = max((where[key][1] for key in expected), default=0)
         ids = torch.full((len(expected), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(expected), width), dtype=torch.long)
         logprobs = torch.zeros((len(expected), width), dtype=torch.float32)
         for i, key in enumerate(expected):
-            tokens, values = rows[key]
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            mask[i, : len(tokens)] = 1
-            logprobs[i, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
+            start, length = where[key]
+            ids[i, :length] = flat[start : start + length].long()
+            mask[i, :length] = 1
+            logprobs[i, :length] = flat[start + length : start + 2 * length].float()
         return RolloutOutput([list(p) for p in prompts for _ in range(n)], ids.to(self.device), mask.to(self.device),
                              logprobs.to(self.device))

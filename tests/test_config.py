@@ -165,6 +165,17 @@ def test_values_that_would_fail_at_step_one_fail_at_config_time(override, needle
     assert needle in str(err.value)
 
 
+def test_a_rollout_over_the_world_refuses_replicas_that_differ():
+    # local SGD keeps the actor's replicas apart between averagings; the engines outside the pool take one copy
+    pools = ("placement.pools=[{name: a, size: 2, dp_replicate: 2, roles: [actor, reference]},"
+             " {name: b, size: 2, roles: [critic, reward]}]")
+    base = ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]", "placement.mode=split", pools,
+            "comm.param_averaging=true"]
+    C.check_ppo(C.load_config(None, base), 4)  # the actor's pool generates alone: fine
+    with pytest.raises(C.ConfigError, match="comm.param_averaging=true with a rollout over the world"):
+        C.check_ppo(C.load_config(None, [*base, "rollout.ranks=all"]), 4)
+
+
 def test_tis_with_the_whole_distribution_is_fine():
     C.check_ppo(C.load_config(None, ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]",
                                      "actor.tis_cap=2", "rollout.top_p=1.0", "rollout.top_k=0"]), 1)

@@ -296,7 +296,8 @@ def test_a_rollout_over_the_world_plans_an_engine_on_every_pool(tmp_path, monkey
         placement = (f"placement.pools=[{{name: a, size: 2, roles: [actor, reward], tp: {tp}}},"
                      " {name: b, size: 1, roles: [critic, reference]}]")
         code, out, _ = plan_cli(["--config", config, "--plan", "--world", "3", "--gpu-memory", "80", "--json",
-                                 "placement.mode=split", placement, *extra], monkeypatch, capsys)
+                                 "placement.mode=split", placement, "algorithm.adv_estimator=gae", *extra],
+                                monkeypatch, capsys)
         assert code == 0, out
         return json.loads(out)["pools"]
 
@@ -304,7 +305,11 @@ def test_a_rollout_over_the_world_plans_an_engine_on_every_pool(tmp_path, monkey
     actor, other = pools(2, "rollout.ranks=all")
     assert other["engine"]["kind"] == "native" and other["phases"]["rollout"] > 0
     assert other["engine"]["weights"] == whole > actor["engine"]["weights"]
-    assert pools(2)[1]["engine"] is None  # rollout.ranks=auto with the native engine: the actor's pool alone
+    alone = pools(2)[1]  # rollout.ranks=auto with the native engine: the actor's pool alone generates
+    assert alone["engine"] is None
+    # the replica stays between rollouts: every phase of the critic and the reference holds it too
+    assert alone["phases"].keys() == other["phases"].keys() - {"rollout"} == {"critic update", "critic forward"}
+    assert all(other["phases"][k] == v + whole for k, v in alone["phases"].items())
 
 
 def test_world_from_torchrun_environment(tmp_path, monkeypatch, capsys):

@@ -42,6 +42,7 @@ def test_units_of_split_keep_tp_peers_together_and_give_every_other_rank_its_own
 def test_world_rollout_under_torchrun():
     proc = torchrun(["tests/dist/world_rollout.py"], nproc=4, timeout=300)
     assert proc.returncode == 0, explain(proc)
-    for check in ("broadcast stream", "split greedy", "split sampled", "split after update", "blocks greedy"):
+    for check in ("broadcast stream", "split greedy", "split sampled", "split after update", "failure",
+                  "split tp greedy", "blocks greedy"):
         passed = set(re.findall(rf"rank (\d) PASS {check}", proc.stdout))
         assert passed == {"0", "1", "2", "3"}, f"{check}: {sorted(passed)}\n{explain(proc)}"

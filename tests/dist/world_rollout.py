@@ -5,6 +5,9 @@
   exactly the greedy samples a plain engine gives on their own prompts (the 5 prompts dealt over 3 engines), sampled
   rows carry their own tokens' log-probs (teacher-forced under the right prompt); after an update (version 1) the
   replicas follow, and an unchanged version syncs nothing.
+- failure: an engine that raises (an empty prompt dealt to a replica) makes every rank raise, none waits.
+- split with tp: the actor's pool is one tp-2 engine on ranks 0-1 (its peers pass the same prompts, both get them
+  back), replicas on 2 and 3.
 - blocks: every rank an actor rank (dp 4) and engines of 2 contiguous ranks, each keeping its own copy of the weights
   (vLLM's layout in colocate): owners with 0-3 prompts, each rank gets its own back.
 
@@ -137,6 +140,35 @@ def split(rank: int) -> None:
         expect_greedy(out, moved, mine, 2)
     say(f"rank {rank} PASS split after update")
 
+    # owner 1's second prompt is empty: dealt [1, 1, 1, 0] over the 4 engines, it fails on rank 2's replica
+    bad = {0: [[3, 4]], 1: [[5], []]}.get(actor_pool.dp_rank) if actor is not None else None
+    try:
+        world.generate(bad, greedy, None, version=1)
+        raise AssertionError("a failed engine must raise on every rank")
+    except (ValueError, RuntimeError) as e:
+        expected = "is empty" if rank == 2 else "generation of the rollout failed on another rank"
+        assert expected in str(e), (rank, str(e))
+    say(f"rank {rank} PASS failure")
+
+
+def split_tp(rank: int) -> None:
+    tp_pool = SimpleNamespace(name="actor", size=2, roles=["actor"], tp=2, dp_replicate=1)
+    layout = build_layout([tp_pool, pool("critic", 1, ["critic"]), pool("reward", 1, ["reward"])], "cpu")
+    actor_pool = layout.pool_of("actor")
+    reference = tiny(2)
+    actor = shard_model(copy.deepcopy(reference).train(), actor_pool, FSDPConfig(param_dtype="float32")) \
+        if actor_pool.has(rank) else None
+    engine = NativeEngine(actor, 0, lockstep_group=actor_pool.dp_group, tp_group=actor_pool.mesh.get_group("tp"),
+                          **ENGINE) if actor is not None else Replica(tiny(seed=300 + rank), 0, **ENGINE)
+    units = units_of_split(4, actor_pool)
+    assert units.unit_of == [0, 0, 1, 2], units
+    world = WorldRollout(engine, units, actor_pool, actor, 0, torch.float32, torch.device("cpu"))
+    mine = prompts_of(0, 4) if actor is not None else None
+    out = world.generate(mine, SamplingParams(6, temperature=0.0, n=2), None, version=0)
+    if actor is not None:
+        expect_greedy(out, reference, mine, 2)
+    say(f"rank {rank} PASS split tp greedy")
+
 
 def blocks(rank: int) -> None:
     layout = build_layout([pool("all", 4, ["actor", "critic", "reference", "reward"])], "cpu")
@@ -157,6 +189,7 @@ def main() -> None:
     info = init_distributed("gloo", timeout_s=120, device="cpu")
     assert info.world_size == 4
     split(info.rank)
+    split_tp(info.rank)
     blocks(info.rank)
 
 
