@@ -7,6 +7,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import explain, torchrun
 from rollout.world import chunks, units_in_blocks, units_of_split
@@ -46,3 +47,11 @@ def test_world_rollout_under_torchrun():
                   "split tp greedy", "blocks greedy"):
         passed = set(re.findall(rf"rank (\d) PASS {check}", proc.stdout))
         assert passed == {"0", "1", "2", "3"}, f"{check}: {sorted(passed)}\n{explain(proc)}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+def test_world_rollout_on_gpus():
+    n = torch.cuda.device_count()
+    proc = torchrun(["tests/dist/world_rollout.py", "cuda"], nproc=n, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert set(re.findall(r"rank (\d) PASS blocks greedy", proc.stdout)) == {str(r) for r in range(n)}, explain(proc)

@@ -11,12 +11,14 @@
 - blocks: every rank an actor rank (dp 4) and engines of 2 contiguous ranks, each keeping its own copy of the weights
   (vLLM's layout in colocate): owners with 0-3 prompts, each rank gets its own back.
 
-Launched by tests/test_world_rollout.py; prints 'rank R PASS <check>'.
+With the argument `cuda` (NCCL, one process a GPU): the blocks check with engines of one rank, the collectives on
+the GPU. Launched by tests/test_world_rollout.py; prints 'rank R PASS <check>'.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -170,14 +172,14 @@ def split_tp(rank: int) -> None:
     say(f"rank {rank} PASS split tp greedy")
 
 
-def blocks(rank: int) -> None:
-    layout = build_layout([pool("all", 4, ["actor", "critic", "reference", "reward"])], "cpu")
+def blocks(rank: int, world_size: int, size: int, device: torch.device) -> None:
+    layout = build_layout([pool("all", world_size, ["actor", "critic", "reference", "reward"])], device.type)
     actor_pool = layout.pool_of("actor")
-    reference = tiny(1)
+    reference = tiny(1).to(device)
     actor = shard_model(copy.deepcopy(reference).train(), actor_pool, FSDPConfig(param_dtype="float32"))
-    engine = Replica(tiny(seed=200 + rank), 0, **ENGINE)  # an engine with its own copy, as vLLM's
-    world = WorldRollout(engine, units_in_blocks(4, 2), actor_pool, actor, 0, torch.float32, torch.device("cpu"))
-    mine = prompts_of(rank, [2, 0, 3, 1][rank])
+    engine = Replica(tiny(seed=200 + rank).to(device), 0, **ENGINE)  # an engine with its own copy, as vLLM's
+    world = WorldRollout(engine, units_in_blocks(world_size, size), actor_pool, actor, 0, torch.float32, device)
+    mine = prompts_of(rank, [2, 0, 3, 1][rank % 4])
     out = world.generate(mine, SamplingParams(6, temperature=0.0, n=1), None, version=0)
     for name, tensor in reference.named_parameters():
         assert torch.equal(engine.model.get_parameter(name), tensor), name
@@ -186,11 +188,15 @@ def blocks(rank: int) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["cuda"]:  # NCCL, one process a GPU, any number: engines of one rank each
+        info = init_distributed("nccl", timeout_s=120, device="cuda")
+        blocks(info.rank, info.world_size, 1, torch.device("cuda", torch.cuda.current_device()))
+        return
     info = init_distributed("gloo", timeout_s=120, device="cpu")
     assert info.world_size == 4
     split(info.rank)
     split_tp(info.rank)
-    blocks(info.rank)
+    blocks(info.rank, 4, 2, torch.device("cpu"))
 
 
 if __name__ == "__main__":
