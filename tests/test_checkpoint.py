@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,10 +60,14 @@ def test_resume_equals_uninterrupted_and_a_truncated_checkpoint_is_skipped(asset
     assert ckpts(tmp_path) == ["latest", "step_00000004", "step_00000005"], "keep_last=2"
 
 
-def test_resume_keeps_the_controllers_when_rank_0_is_not_an_actor(assets, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("ranks", ["actor", "all"])
+def test_resume_keeps_the_controllers_when_rank_0_is_not_an_actor(assets, tmp_path, ranks):  # noqa: F811
     """Split placement with the actor's pool listed second: the KL coefficient (adaptive), the guard rails' raised
-    reward threshold and LR back-off live on rank 1, and a resumed run continues with them."""
+    reward threshold and LR back-off live on rank 1, and a resumed run continues with them. With rollout.ranks=all
+    rank 0 generates too, on the weights rank 1 broadcasts: the resumed run syncs them again and draws from rank 0's
+    restored sampling stream."""
     sections = dict(
+        rollout={"ranks": ranks},
         placement={"mode": "split", "pools": [{"name": "judge", "size": 1, "roles": ["reference", "reward"]},
                                               {"name": "policy", "size": 1, "roles": ["actor"]}]},
         algorithm={"adv_estimator": "grpo", "guard": {"kl_limit": 1e-9, "var_limit": 1e-9},
