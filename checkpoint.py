@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from parallel.distributed import comm_device
+from parallel.distributed import anyone
 
 log = logging.getLogger("meshrl")
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -281,9 +281,7 @@ def load(path: str, roles: dict) -> tuple[dict, dict | None]:
             rank_state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=True)
     except (Exception, CheckpointException) as e:  # a corrupt or truncated file: all ranks must move on together
         error = f"{type(e).__name__}: {e}"
-    failed = torch.tensor([1.0 if error else 0.0], device=comm_device())
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
+    if anyone(error is not None):
         raise RuntimeError(error or "another rank could not read its part")
     return trainer_state, rank_state
 

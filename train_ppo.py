@@ -48,7 +48,7 @@ from monitor import (
     summary_table,
 )
 from parallel import comm
-from parallel.distributed import comm_device, env_world, exit_process, init_distributed, reducer, shutdown
+from parallel.distributed import anyone, comm_device, env_world, exit_process, init_distributed, reducer, shutdown
 from parallel.fsdp import DTYPES
 from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
@@ -187,7 +187,7 @@ class PPOTrainer:
         self.run_dir = run_dir = os.path.join(cfg.run.output_dir, cfg.run.name)
         # one live run per folder: a second would resume the first's checkpoints and cut its metrics
         self.lock, holder = lock_run_dir(run_dir) if self.rank == 0 else (None, None)
-        if self._anyone(holder is not None):
+        if anyone(holder is not None):
             raise ValueError(f"the run folder {run_dir} is in use by a live run ({holder}); wait for it to end or "
                              "pick another run.name")
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
@@ -211,7 +211,7 @@ class PPOTrainer:
             if self.eval_set is not None:
                 samples.append(("the first eval record", self.eval_set.items[0]))
             problem = self.reward.check_functions(samples)
-        if self._anyone(problem is not None):
+        if anyone(problem is not None):
             if problem and self.rank != 0:  # rank 0 prints the error it raises
                 log.error("%s", problem)
             raise ValueError(problem or "a reward function failed its start-up call on another rank (its log says "
@@ -227,30 +227,25 @@ class PPOTrainer:
             engine = VLLMEngine(path, pad, tp=r.vllm_tp, gpu_memory_utilization=r.gpu_memory_utilization,
                                 sleep_level=r.vllm_sleep_level, seed=cfg.run.seed, trust_remote_code=trust,
                                 max_model_len=cfg.data.max_prompt_len + r.max_new_tokens)
-            return WorldRollout(engine, units_in_blocks(world, r.vllm_tp), actor_pool,
-                                self.actor.model if self.actor is not None else None, pad, torch.bfloat16, device)
-        dtype = DTYPES[cfg.actor.fsdp.param_dtype]  # what the actor's engines generate with, unsharded
-        if self.actor is not None:
-            engine = self.actor.engine
+            units, dtype = units_in_blocks(world, r.vllm_tp), torch.bfloat16
         else:
-            arch = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(arch, dtype=dtype, trust_remote_code=trust)
-            engine = Replica(model, pad, **native_engine_options(r))
-        return WorldRollout(engine, units_of_split(world, actor_pool), actor_pool,
-                            self.actor.model if self.actor is not None else None, pad, dtype, device)
+            # the dtype the actor's own engines generate with, unsharded
+            units, dtype = units_of_split(world, actor_pool), DTYPES[cfg.actor.fsdp.param_dtype]
+            if self.actor is not None:
+                engine = self.actor.engine
+            else:
+                arch = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+                with torch.device(device):
+                    model = AutoModelForCausalLM.from_config(arch, dtype=dtype, trust_remote_code=trust)
+                engine = Replica(model, pad, **native_engine_options(r))
+        return WorldRollout(engine, units, actor_pool, self.actor.model if self.actor is not None else None, pad,
+                            dtype, device)
 
     def _engine_stats(self) -> tuple[float, dict[str, float]]:
         """(timing_s/reshard, the engine's stats) of the last rollout."""
         if self.rollout is not None:
             return self.rollout.stats.get("reshard_s", 0.0), self.rollout.engine.stats
         return self.actor.engine.stats.get("reshard_s", 0.0), self.actor.engine.stats
-
-    def _anyone(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on some rank (a world all-reduce)."""
-        value = torch.tensor([float(flag)], device=comm_device())
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
 
     # ------------------------------------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
@@ -302,7 +297,7 @@ class PPOTrainer:
                 metrics.update(self.reward.take_failures())
         # a broken reward function must not train the policy on zeros: every rank stops here, before the update
         fatal = self.reward.fatal if self.reward is not None else None
-        if self._anyone(fatal is not None):
+        if anyone(fatal is not None):
             if fatal:
                 log.error("%s", fatal)
             raise RuntimeError(fatal or "reward functions failed on too many samples on another rank (its log says "

@@ -115,6 +115,14 @@ def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def anyone(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank of `group` (the world by default) when `flag` is true on some rank: how ranks agree to
+    stop together rather than leave the others waiting in their next collective."""
+    value = torch.tensor([float(flag)], device=comm_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 

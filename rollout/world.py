@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.distributed import comm_device
+from parallel.distributed import anyone, comm_device
 from parallel.layout import Pool
 from parallel.reshard import broadcast_buckets, hf_name, named_weights, weight_buckets
 from rollout.api import RolloutOutput, SamplingParams
@@ -213,11 +213,10 @@ class WorldRollout:
     def _agree(self, error: Exception | None, what: str) -> None:
         """Raise on every rank when `what` failed on some rank: the others would wait for it in the next collective.
         The rank that failed raises its own error."""
-        flag = torch.tensor([float(error is not None)], device=comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = anyone(error is not None)
         if error is not None:
             raise error
-        if flag.item():
+        if failed:
             raise RuntimeError(f"{what} of the rollout failed on another rank (its log says why)")
 
     def _exchange(self, out: RolloutOutput | None, mine: list, n: int) -> torch.Tensor:
