@@ -116,10 +116,12 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
                               fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops,
                               max_num_seqs=args.max_num_seqs)
+        engine.slots.admit_min_free = args.admit_min_free
         if engine.fallback_reason is not None:
             raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
         if args.profile:
             profile_decode(engine, prompts, label=variant)
+            profile_prefill(engine, prompts[:8], n=8)
         tokens, seconds, peak, prefill_s, step_ms, stats = ours(engine, equal, label=f"equal, kernels {variant}")
         variant_rows.append(dict(
             model=name, run=f"equal {args.prompts}x({args.prompt_len}+{new}){slots_note(stats)}", kernels=variant,
@@ -176,6 +178,23 @@ def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 
         print(f"  {time_us / steps:8.1f} us  x{count / steps:5.1f}  {key[:110]}")
 
 
+def profile_prefill(engine: NativeEngine, prompts: list[list[int]], n: int) -> None:
+    """Print one prefill's wall time and GPU time by kernel (the e2e step's shape: 8 prompts x 8 samples), from a
+    call with max_new_tokens 1 (prefill and the first token only) under the profiler."""
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, n=n)
+    engine.generate(prompts, params)  # warm-up
+    _, seconds, _ = timed(lambda: engine.generate(prompts, params))
+    activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else None
+    with torch.profiler.profile(activities=[activity or torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.generate(prompts, params)
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in rows)
+    print(f"prefill of {len(prompts)} prompts x {n}: {seconds * 1e3:.2f} ms wall, {total / 1e3:.2f} ms GPU in "
+          f"{sum(e.count for e in rows)} kernels, engine stats {engine.stats}")
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"  {e.self_device_time_total:8.1f} us  x{e.count:4d}  {e.key[:110]}")
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | run | kernels | tokens | ours tok/s | HF generate tok/s | ratio | ours peak GiB | HF peak GiB "
             "| prefill s | ms/decode step | floor ms/step | graphs |")
@@ -208,6 +227,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="slots (rollout.max_num_seqs): with more prompts, finished sequences free slots for "
                              "waiting ones (continuous batching)")
+    parser.add_argument("--admit-min-free", type=int, default=None,
+                        help="with sequences decoding, admit waiting ones only when this many slots are free "
+                             "(default: the engine's, an eighth of the slots)")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-fused", action="store_true",

@@ -2,8 +2,10 @@
 
 Every sequence being generated owns a slot: one row of the KV cache with room for its prompt and its response. A
 generate call repeats:
-1. admission: waiting sequences take the free slots. Prefill runs once per prompt (prompts batched, right-padded),
-   writes the prompt's keys/values into the slots of all its admitted samples and samples each one's first token.
+1. admission: waiting sequences take the free slots, once an eighth of the slots is free (or nothing decodes, or all
+   that wait fit): a prefill of a few prompts costs several times their share of a large one. Prefill runs once per
+   prompt (prompts batched, right-padded), writes the prompt's keys/values into the slots of all its admitted
+   samples and samples each one's first token.
 2. decode: STEPS_PER_CHECK steps over the first B slots (B a batch bucket covering every occupied slot), one token per
    live slot per step. Sampling, stop checks and the bookkeeping run on the device, so on CUDA a step is one replay
    of a graph captured for its (batch bucket, context bucket), and the host only enqueues replays.
@@ -17,8 +19,10 @@ the sampling step can be compiled with torch.compile (CUDA only) before the grap
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from functools import partial
 from typing import NamedTuple
 
@@ -34,6 +38,7 @@ from rollout.sampling import gumbel_noise, sample_with_noise, take_first_tp_rank
 
 STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idles at most this many steps
 MIN_BATCH_BUCKET = 8
+ADMIT_SHARE = 8  # with sequences decoding, admission waits until this share (1/8) of the slots is free
 CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
 DECODE_KERNELS = ("auto", "triton", "torch")
@@ -222,10 +227,13 @@ class SlotEngine:
         self.cuda_graphs = cuda_graphs
         self.compile = compile
         self._compiled: dict[str, Callable] = {}
+        # with sequences decoding, admit waiting ones once this many slots are free (None: slots // ADMIT_SHARE)
+        self.admit_min_free: int | None = None
         self._warm: set[tuple] = set()  # (bucket, run shapes) that ran once before, so capture needs no warm-up run
         # of the last generate call: slots, decode_steps, prefills, graphs, kernel_attention and kernel_sampling (1:
-        # by the Triton kernel)
-        self.stats: dict[str, int] = {}
+        # by the Triton kernel); seconds of its phases: prefill_s (the prefill forwards' device time), capture_s
+        # (host time capturing graphs, first runs of new shapes included), decode_s (the decode steps' device time)
+        self.stats: dict[str, float] = {}
 
     def generate(
         self,
@@ -257,7 +265,8 @@ class SlotEngine:
         slots = self._slot_count(w, slot_len, longest, num_seqs, device)
         run = _Run(slots, slot_len, num_seqs, max_new, w, device)
         self.stats = dict(slots=slots, decode_steps=0, prefills=0, graphs=0, kernel_attention=int(kernel_attention),
-                          kernel_sampling=int(kernel_sampling))
+                          kernel_sampling=int(kernel_sampling), prefill_s=0.0, capture_s=0.0, decode_s=0.0)
+        clock = _PhaseClock(device)
         use_graphs = self.cuda_graphs and device.type == "cuda"
         compiled = self.compile and device.type == "cuda" and self.tp_group is None
         layer, prefill, inputs, sample = (
@@ -293,28 +302,38 @@ class SlotEngine:
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))
+        admit_min_free = self.admit_min_free or max(1, slots // ADMIT_SHARE)
         while True:
             free = [s for s, seq in enumerate(run.slot_seq) if seq is None]
-            if waiting and free:
+            # With sequences still decoding, admission waits for admit_min_free free slots (or room for all that
+            # wait): a prefill of a few prompts costs several times their share of a large one.
+            if waiting and free and (len(free) >= min(admit_min_free, len(waiting)) or not run.occupied()):
                 admitted = [(waiting.popleft(), slot) for slot in free[: len(waiting)]]
-                self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows)
+                with clock("prefill_s"):
+                    self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows)
             occupied = run.occupied()
             if not occupied:
                 break
             batch = _batch_bucket(max(occupied) + 1, slots)
+            # 0 when every occupied slot finished at its prefill (max_new_tokens 1): no step, no graph to capture
             steps = min(STEPS_PER_CHECK, max(run.slot_left[s] for s in occupied))
             needed = max(run.slot_pos[s] for s in occupied) + steps
             length = min(slot_len, -(-needed // CONTEXT_BUCKET) * CONTEXT_BUCKET)
-            for _ in range(steps):
-                if use_graphs:
-                    self._graph(run, batch, length, step).replay()
-                else:
-                    step(batch, length)
+            if use_graphs and steps and (batch, length) not in run.graphs:
+                with clock("capture_s", host=True):
+                    self._graph(run, batch, length, step)
+            with clock("decode_s"):
+                for _ in range(steps):
+                    if use_graphs:
+                        run.graphs[batch, length].replay()
+                    else:
+                        step(batch, length)
             self.stats["decode_steps"] += steps
             self._check(run, batch, steps, compact=not waiting)
 
         lengths = run.state.out_len[:num_seqs]
         width = int(lengths.max())
+        self.stats.update(clock.seconds())
         mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
         return RolloutOutput(
             prompt_ids=[list(p) for p in prompts for _ in range(n)],
@@ -478,6 +497,37 @@ class SlotEngine:
             values = getattr(run, field)
             moved = [values[s] for s in occupied]
             values[:] = moved + ([None] * (slots - count) if field == "slot_seq" else [0] * (slots - count))
+
+
+class _PhaseClock:
+    """Seconds per phase of a generate call without host syncs: on CUDA the device time between two events recorded
+    around each phase on the current stream (read at the end, after the call's last sync), on CPU or for host work
+    (host=True: capture, which launches nothing on the stream) the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str, host: bool = False):
+        if self.cuda and not host:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((phase, start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - began
+
+    def seconds(self) -> dict[str, float]:
+        totals = dict(self.totals)
+        for phase, start, end in self.events:
+            end.synchronize()
+            totals[phase] = totals.get(phase, 0.0) + start.elapsed_time(end) / 1e3
+        return totals
 
 
 def _batch_bucket(needed: int, slots: int) -> int:

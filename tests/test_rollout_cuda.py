@@ -72,3 +72,15 @@ def test_graphs_and_compile_decode_through_the_kernels_as_through_torch():
         assert engine.stats["kernel_attention"] == (kernels_ == "triton") and engine.stats["graphs"] >= 1
     assert torch.equal(outs["triton"].response_ids, outs["torch"].response_ids)
     torch.testing.assert_close(outs["triton"].logprobs, outs["torch"].logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_call_that_only_prefills_captures_no_graph_and_times_its_phases(model):
+    # max_new_tokens 1: every slot finishes at its prefill, so there is no decode step to capture (a graph was
+    # captured for zero steps before); the phase clock reads the prefill's device time from CUDA events.
+    engine = NativeEngine(model, PAD)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=1, temperature=0), torch.Generator("cuda"))
+    assert out.response_mask.sum().item() == len(PROMPTS)
+    assert engine.stats["graphs"] == 0 and engine.stats["decode_steps"] == 0 and engine.stats["capture_s"] == 0
+    assert engine.stats["prefill_s"] > 0
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0))
+    assert engine.stats["graphs"] >= 1 and engine.stats["capture_s"] > 0 and engine.stats["decode_s"] > 0

@@ -140,6 +140,44 @@ def test_small_prefill_chunks_give_the_same_samples(model):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+def test_every_admission_schedule_gives_the_same_samples(model):
+    # 20 sequences on 6 slots, limits 1..25: waiting sequences are admitted as soon as a slot is free, or only once
+    # admit_min_free slots are. Sampling is a function of (seed, sequence, step), so every schedule gives what one
+    # slot per sequence gives, and every sequence runs to its own limit.
+    prompts = [[i + 1, (7 * i) % (VOCAB - 1) + 1, 3] for i in range(10)]
+    limits = [1, 25, 4, 17, 2, 9, 25, 12, 6, 20]
+    params = SamplingParams(max_new_tokens=25, temperature=1.0, n=2)
+    seed = lambda: torch.Generator().manual_seed(13)
+    everyone = NativeEngine(model, PAD).generate(prompts, params, seed(), max_new_tokens=limits)
+    for admit_min_free in (1, 4):
+        engine = NativeEngine(model, PAD, max_num_seqs=6)
+        engine.slots.admit_min_free = admit_min_free
+        out = engine.generate(prompts, params, seed(), max_new_tokens=limits)
+        assert engine.stats["slots"] == 6 and engine.stats["prefills"] >= 3
+        assert out.response_mask.sum(-1).tolist() == [m for m in limits for _ in range(2)]
+        assert torch.equal(out.response_ids, everyone.response_ids)
+        torch.testing.assert_close(out.logprobs, everyone.logprobs, atol=1e-5, rtol=0)
+        assert {"prefill_s", "capture_s", "decode_s"} <= engine.stats.keys()
+
+
+def test_admission_waits_for_enough_free_slots():
+    # 8 slots, 12 sequences: the first 8 with limits [2, 2, 2, 40 x 5], then 4 with limit 5. After round 1 (16
+    # steps) three slots are free. admit_min_free 4: the 4 waiting ones wait until the long ones end (rounds of 16, 7
+    # steps), then one prefill and a round of 4 steps: 2 prefills, 43 steps. admit_min_free 1: three are admitted at
+    # once (their 4 steps fit in round 2), the fourth after round 2 (round 3: the long ones' last 7 steps): 3
+    # prefills, 39 steps. Both give the same samples.
+    engine = NativeEngine(tiny_model("qwen2"), PAD, max_num_seqs=8)
+    prompts, limits = [[i + 1, i + 2] for i in range(12)], [2, 2, 2] + [40] * 5 + [5] * 4
+    outputs = []
+    for admit_min_free, prefills, steps in ((4, 2, 16 + 16 + 7 + 4), (1, 3, 16 + 16 + 7)):
+        engine.slots.admit_min_free = admit_min_free
+        outputs.append(engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=1.0),
+                                       torch.Generator().manual_seed(2), max_new_tokens=limits))
+        assert (engine.stats["prefills"], engine.stats["decode_steps"]) == (prefills, steps)
+        assert outputs[-1].response_mask.sum(-1).tolist() == limits
+    assert torch.equal(outputs[0].response_ids, outputs[1].response_ids)
+
+
 def test_gumbel_sampling_follows_the_truncated_distribution():
     probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
     rows = 40_000
