@@ -267,9 +267,9 @@ class PPOTrainer:
                 batch = self._generate(self.train_set, indices, self.train_params)
             reshard_s, engine_stats = self._engine_stats()
             times["timing_s/reshard"] = reshard_s
-            for phase in ("prefill_s", "capture_s", "decode_s"):  # the native slot engine's parts of gen
-                if phase in engine_stats:
-                    metrics[f"rollout/{phase}"] = engine_stats[phase]
+            for part in ("prefill", "capture", "decode"):  # the native slot engine's parts of gen
+                if f"{part}_s" in engine_stats:
+                    times[f"timing_s/gen_{part}"] = engine_stats[f"{part}_s"]
             if "memory_gb" in engine_stats:
                 metrics["rollout/vllm_memory_gb"] = engine_stats["memory_gb"]
         if self.actor is not None:

@@ -148,8 +148,8 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
         # a phase the run has not (old_logprobs with actor.old_logprobs=auto on this one-step update) is None
         out[phase] = [r.get(f"timing_s/{phase}", 0.0) for r in rows] \
             if any(f"timing_s/{phase}" in r for r in rows) else None
-    for part in ("prefill_s", "capture_s", "decode_s"):  # the native engine's parts of gen
-        out[f"gen_{part}"] = [r[f"rollout/{part}"] for r in rows if f"rollout/{part}" in r] or None
+    for part in ("prefill", "capture", "decode"):  # the native engine's parts of gen
+        out[f"gen_{part}"] = [r[f"timing_s/gen_{part}"] for r in rows if f"timing_s/gen_{part}" in r] or None
     out["start_s"] = rows[0].get("timing_s/startup") if rows else None
     out["memory_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
     # NVML, sampled during the steps (absent without pynvml): the whole device, NCCL and the engine's cache included
@@ -337,7 +337,7 @@ def report(results: list[dict], peak_tflops: float) -> None:
         if "update_actor" in r:
             upd = steady(r["update_actor"])
             mfu = 6 * r["params"] * r["tokens"] / upd / (peak_tflops * 1e12)
-            parts = " / ".join(phase_cell(r, f"gen_{p}") for p in ("prefill_s", "capture_s", "decode_s"))
+            parts = " / ".join(phase_cell(r, f"gen_{p}") for p in ("prefill", "capture", "decode"))
             phases = [phase_cell(r, "gen"), parts, phase_cell(r, "old_logprobs"), f"{upd:.3f}", f"{mfu:.1%}",
                       f"{r['tokens'] / upd:,.0f}", phase_cell(r, "reshard")]
         peer = peers.get((r["model"], r["lengths"]))

@@ -87,7 +87,7 @@ def test_ppo_split_four_ranks_learns(assets, tmp_path):
     assert [r["step"] for r in rows] == list(range(13)), "one metrics line per step, eval at 0"
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
                 "critic/vf_loss", "critic/vf_explained_var", "response_length/mean", "timing_s/gen", "timing_s/step",
-                "perf/throughput", "perf/max_memory_allocated_gb", "rollout/prefill_s", "rollout/decode_s"):
+                "perf/throughput", "perf/max_memory_allocated_gb", "timing_s/gen_prefill", "timing_s/gen_decode"):
         assert key in rows[1], f"{key} missing from {sorted(rows[1])}"
     assert "eval/score/mean" in rows[0] and "eval/score/mean" in rows[-1]
     # float32: the rollout's log-probs are the actor's teacher-forced ones (FSDP2 over the 2 actor ranks): the
