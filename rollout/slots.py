@@ -8,8 +8,7 @@ generate call repeats:
    samples and samples each one's first token.
 2. decode: STEPS_PER_CHECK steps over the first B slots (B a batch bucket covering every occupied slot), one token per
    live slot per step. Sampling, stop checks and the bookkeeping run on the device, so on CUDA a step is one replay
-   of a graph captured for its (batch bucket, context bucket; the batch bucket alone with the Triton attention
-   kernel), and the host only enqueues replays.
+   of a graph captured for its (batch bucket, context bucket), and the host only enqueues replays.
 3. check: the host reads the slots' live flags and positions (the one host sync per STEPS_PER_CHECK steps), frees the
    finished slots, and, once no sequence waits, moves the live slots to the front so a smaller bucket serves them.
 Tokens and logprobs land in per-sequence output rows, so any slot can serve any sequence.
@@ -40,7 +39,7 @@ from rollout.sampling import gumbel_noise, sample_with_noise, take_first_tp_rank
 STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idles at most this many steps
 MIN_BATCH_BUCKET = 8
 ADMIT_SHARE = 8  # with sequences decoding, admission waits until this share (1/8) of the slots is free
-CONTEXT_BUCKET = 128  # SDPA reads the cache up to a multiple of this past the longest live sequence
+CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
 DECODE_KERNELS = ("auto", "triton", "torch")
 KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
@@ -318,10 +317,8 @@ class SlotEngine:
             batch = _batch_bucket(max(occupied) + 1, slots)
             # 0 when every occupied slot finished at its prefill (max_new_tokens 1): no step, no graph to capture
             steps = min(STEPS_PER_CHECK, max(run.slot_left[s] for s in occupied))
-            # SDPA reads the cache up to `length`; the Triton kernel reads each slot's live positions only and takes
-            # its split size from `length`: the whole slot, so one graph per batch serves the whole call
             needed = max(run.slot_pos[s] for s in occupied) + steps
-            length = slot_len if kernel_attention else min(slot_len, -(-needed // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+            length = min(slot_len, -(-needed // CONTEXT_BUCKET) * CONTEXT_BUCKET)
             if use_graphs and steps and (batch, length) not in run.graphs:
                 with clock("capture_s", host=True):
                     self._graph(run, batch, length, step)
