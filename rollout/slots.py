@@ -19,10 +19,8 @@ the sampling step can be compiled with torch.compile (CUDA only) before the grap
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import contextmanager
 from functools import partial
 from typing import NamedTuple
 
@@ -31,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.timing import DeviceClock
 from rollout import kernels
 from rollout.api import RolloutOutput, SamplingParams
 from rollout.decoder import DecoderWeights, decode_layer, prefill_layer, read_weights, rms_norm, rope_tables
@@ -266,7 +265,7 @@ class SlotEngine:
         run = _Run(slots, slot_len, num_seqs, max_new, w, device)
         self.stats = dict(slots=slots, decode_steps=0, prefills=0, graphs=0, kernel_attention=int(kernel_attention),
                           kernel_sampling=int(kernel_sampling), prefill_s=0.0, capture_s=0.0, decode_s=0.0)
-        clock = _PhaseClock(device)
+        clock = DeviceClock(device)
         use_graphs = self.cuda_graphs and device.type == "cuda"
         compiled = self.compile and device.type == "cuda" and self.tp_group is None
         layer, prefill, inputs, sample = (
@@ -333,7 +332,7 @@ class SlotEngine:
 
         lengths = run.state.out_len[:num_seqs]
         width = int(lengths.max())
-        self.stats.update(clock.seconds())
+        self.stats.update(clock.pop())
         mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
         return RolloutOutput(
             prompt_ids=[list(p) for p in prompts for _ in range(n)],
@@ -497,37 +496,6 @@ class SlotEngine:
             values = getattr(run, field)
             moved = [values[s] for s in occupied]
             values[:] = moved + ([None] * (slots - count) if field == "slot_seq" else [0] * (slots - count))
-
-
-class _PhaseClock:
-    """Seconds per phase of a generate call without host syncs: on CUDA the device time between two events recorded
-    around each phase on the current stream (read at the end, after the call's last sync), on CPU or for host work
-    (host=True: capture, which launches nothing on the stream) the host's clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self.totals: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str, host: bool = False):
-        if self.cuda and not host:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.events.append((phase, start, end))
-        else:
-            began = time.perf_counter()
-            yield
-            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - began
-
-    def seconds(self) -> dict[str, float]:
-        totals = dict(self.totals)
-        for phase, start, end in self.events:
-            end.synchronize()
-            totals[phase] = totals.get(phase, 0.0) + start.elapsed_time(end) / 1e3
-        return totals
 
 
 def _batch_bucket(needed: int, slots: int) -> int:

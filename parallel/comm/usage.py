@@ -3,12 +3,13 @@ device memory (perf/memory_fraction); monitor.HealthWarnings warns when either p
 """
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+
+from parallel.timing import DeviceClock
 
 
 class CommTimer:
@@ -24,29 +25,16 @@ class CommTimer:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.seconds = 0.0
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "span": 0}
         self.untimed = 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._clock = DeviceClock(device)
 
     @contextlib.contextmanager
     def span(self, kind: str = "span"):
         """Time the block as communication; on GPU by events on the current stream (no synchronisation here)."""
         self.calls[kind] = self.calls.get(kind, 0) + 1
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self._events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.seconds += time.perf_counter() - t0
+        with self._clock("comm"):
+            yield
 
     def watch_fsdp(self, model: nn.Module) -> None:
         """Time every all-gather and reduce-scatter of the FSDP2 modules in `model` (results are unchanged: the
@@ -60,11 +48,7 @@ class CommTimer:
     def pop(self, step_seconds: float | None = None) -> dict[str, float]:
         """{"perf/comm_s": seconds since the last pop, "perf/comm_fraction": their share of `step_seconds` when
         given}; on GPU this waits for the recorded events (call it where the step has synchronised anyway)."""
-        seconds = self.seconds
-        for start, end in self._events:
-            end.synchronize()
-            seconds += start.elapsed_time(end) / 1e3
-        self.seconds, self._events = 0.0, []
+        seconds = self._clock.pop().get("comm", 0.0)
         out = {"perf/comm_s": seconds}
         if step_seconds:
             out["perf/comm_fraction"] = seconds / step_seconds
