@@ -144,12 +144,12 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     out = {"steps": [r["timing_s/step"] for r in rows], "total_s": time.time() - began,
            "response_len": statistics.mean(r["response_length/mean"] for r in rows),
            "tokens": statistics.mean(r["perf/throughput"] * r["timing_s/step"] for r in rows)}
-    for phase in ("gen", "old_logprobs", "update_actor", "reshard", "reward", "adv"):
+    # gen_*: the native engine's parts of gen
+    for phase in ("gen", "gen_prefill", "gen_capture", "gen_decode", "old_logprobs", "update_actor", "reshard",
+                  "reward", "adv"):
         # a phase the run has not (old_logprobs with actor.old_logprobs=auto on this one-step update) is None
         out[phase] = [r.get(f"timing_s/{phase}", 0.0) for r in rows] \
             if any(f"timing_s/{phase}" in r for r in rows) else None
-    for part in ("prefill", "capture", "decode"):  # the native engine's parts of gen
-        out[f"gen_{part}"] = [r[f"timing_s/gen_{part}"] for r in rows if f"timing_s/gen_{part}" in r] or None
     out["start_s"] = rows[0].get("timing_s/startup") if rows else None
     out["memory_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
     # NVML, sampled during the steps (absent without pynvml): the whole device, NCCL and the engine's cache included
