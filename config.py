@@ -150,6 +150,10 @@ class RolloutConfig:
     compile: bool = True  # torch.compile the decode step before graph capture (GPU only)
     compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
     fused_projections: bool = True  # q/k/v and gate/up as one GEMM each: copies ~2/3 of the blocks' weights per rollout
+    # keep the native engine's KV cache, CUDA graphs and weight buffers (the stacked q/k/v and gate/up; under FSDP2 a
+    # copy of the whole model) between rollouts: no graph capture after the first rollout of a shape, the memory held
+    # through training
+    resident: bool = True
     # the decode step's attention and sampling: auto = rollout/kernels.py's Triton kernels where they run (CUDA,
     # Triton, head_dim a power of 2; sampling without top-k / top-p), else PyTorch's; triton = the kernels or an error
     decode_kernels: Literal["auto", "triton", "torch"] = "auto"

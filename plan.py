@@ -51,7 +51,11 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
   16, k = kv_heads x head_dim / tp), and the KV cache: slots x slot_len x 2 L k b, slot_len = max_prompt_len +
   max_new_tokens rounded up to 8, slots = min(max_num_seqs, a rank's sequences, budget // slot_len), budget =
   rollout.kv_cache_tokens or else what rollout.gpu_memory_utilization x GPU leaves once everything above is
-  allocated (the engine's rule; when that is less than one slot the rollout does not fit). vLLM:
+  allocated (the engine's rule; when that is less than one slot the rollout does not fit). With rollout.resident
+  the engine keeps its weight buffers and the KV cache between rollouts: on the actor's pool (FSDP2) a copy of the
+  whole local model in param_dtype takes the fused copies' place, the gathered model is freed before the decoding
+  (the rollout's peak: the larger of gathered + copy and copy + transient + cache), and every other phase holds
+  the copy and the cache too; a replica keeps its fused copies and cache. vLLM:
   rollout.gpu_memory_utilization x GPU on top of the training state; it sleeps between rollouts, so the other
   phases count none of it.
 A rank's peak is its largest phase: the resident state (every hosted role's parameters and optimizer state) plus
@@ -329,9 +333,13 @@ class EnginePlan:
     slot_len: int
     error: str | None = None  # why the rollout cannot start
     missing: int = 0  # and the bytes it lacks
+    kept: int = 0  # held between rollouts (rollout.resident): the engine's weight buffers and the KV cache
+    frees_gathered: bool = False  # the gathered model is freed before the decoding (the engine holds a copy)
 
     @property
     def total(self) -> int:
+        if self.frees_gathered:
+            return max(self.weights + self.fused, self.fused + self.work + self.kv)
         return self.weights + self.fused + self.work + self.kv
 
 
@@ -366,7 +374,10 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     weights = b * m.local_numel(tp, 1)
     compact = r.compact_forward and m.compact
     fused = 0
-    if compact and r.fused_projections:
+    copy = compact and r.resident and "actor" in pool.roles  # FSDP2 unshards into new storage: the engine copies
+    if copy:
+        fused = weights
+    elif compact and r.fused_projections:
         fused_names = r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$"
         fused = b * sum(math.prod([_ceil_div(d, tp) if n == 0 else d for n, d in enumerate(shape)])
                         for name, shape, _, _ in m.params if re.search(fused_names, name))
@@ -376,7 +387,7 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     work = prefill_tokens * (6 * h + 3 * i + 2 * (q + 2 * k)) * b + rows * m.vocab * 16
     budget = r.kv_cache_tokens if compact else None
     if compact and budget is None and cfg.run.device != "cpu":
-        budget = (int(r.gpu_memory_utilization * gpu) - resident - weights - fused - work) // per_token
+        budget = (int(r.gpu_memory_utilization * gpu) - resident - (0 if copy else weights) - fused - work) // per_token
     slots = min(r.max_num_seqs, seqs) if compact else seqs
     error = None
     if budget is not None:
@@ -385,8 +396,10 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
             source = "rollout.kv_cache_tokens" if r.kv_cache_tokens is not None else "rollout.gpu_memory_utilization"
             error = (f"the KV cache budget of {max(budget, 0)} tokens (from {source}) cannot hold one sequence of "
                      f"{slot_len} tokens")
-    return EnginePlan("native" if compact else "native-hf", weights, fused, work, slots * slot_len * per_token,
-                      slots, slot_len, error, (slot_len - budget) * per_token if error else 0)
+    kv = slots * slot_len * per_token
+    return EnginePlan("native" if compact else "native-hf", weights, fused, work, kv, slots, slot_len, error,
+                      (slot_len - budget) * per_token if error else 0, fused + kv if compact and r.resident else 0,
+                      copy)
 
 
 @dataclass
@@ -448,6 +461,7 @@ def pool_plan(cfg: C.Config, models: dict, pool: C.PoolConfig, index: int, first
         out.phases["rollout"] = resident + engine.total
         if "actor" not in roles and engine.kind != "vllm":  # a native replica keeps its weights between rollouts
             resident += engine.weights
+        resident += engine.kept
     for role, p in roles.items():
         if p is None:
             continue
@@ -548,6 +562,8 @@ def _knob_families(cfg: C.Config, world: int, pp: PoolPlan):
         else:
             yield [([("rollout.kv_cache_tokens", t)], world) for t in _halvings(r.kv_cache_tokens, pp.engine.slot_len)]
         yield [([("rollout.max_num_seqs", s)], world) for s in _halvings(r.max_num_seqs, 1)]
+        if pp.engine.kept:
+            yield [([("rollout.resident", False)], world)]
     if cfg.placement.mode == "colocate":
         yield [([], world * f) for f in (2, 4, 8)]
 
@@ -782,9 +798,12 @@ def describe(cfg: C.Config, plan: Plan, fixes: dict[int, list[Fix]], gpu_source:
             lines.append(f"  rollout (vllm): rollout.gpu_memory_utilization x GPU = {_gib(e.total)}: weights "
                          f"{_gib(e.weights)} + KV cache and activations {_gib(e.kv)}")
         elif e is not None:
-            lines.append(f"  rollout ({e.kind}): gathered model {_gib(e.weights)} + fused projections {_gib(e.fused)} "
-                         f"+ transient {_gib(e.work)} + KV cache {_gib(e.kv)} ({e.slots} slots x {e.slot_len} tokens) "
-                         f"= {_gib(e.total)}")
+            copies = "the engine's copy" if e.frees_gathered else "fused projections"
+            total = (f"max(gathered + copy, copy + transient + KV cache) = {_gib(e.total)}" if e.frees_gathered else
+                     f"= {_gib(e.total)}")
+            lines.append(f"  rollout ({e.kind}): gathered model {_gib(e.weights)}, {copies} {_gib(e.fused)}, "
+                         f"transient {_gib(e.work)}, KV cache {_gib(e.kv)} ({e.slots} slots x {e.slot_len} tokens): "
+                         f"{total}" + (f"; kept between rollouts {_gib(e.kept)}" if e.kept else ""))
         lines.append("  phases: " + " | ".join(f"{k} {_gib(v)}" for k, v in pp.phases.items()))
         verdict = "fits" if pp.fits(plan.gpu) else "DOES NOT FIT"
         lines.append(f"  peak {_gib(pp.peak)} of {plan.gpu / GiB:.1f} GiB ({pp.peak_phase}): {verdict}"

@@ -33,7 +33,7 @@ def native_engine_options(r) -> dict:
     return dict(max_num_seqs=r.max_num_seqs, kv_cache_tokens=r.kv_cache_tokens,
                 gpu_memory_utilization=r.gpu_memory_utilization, max_prefill_tokens=r.max_prefill_tokens,
                 cuda_graphs=r.cuda_graphs, compile=r.compile, compact_forward=r.compact_forward,
-                fused_projections=r.fused_projections, decode_kernels=r.decode_kernels)
+                fused_projections=r.fused_projections, decode_kernels=r.decode_kernels, resident=r.resident)
 
 
 class Actor:

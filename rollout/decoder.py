@@ -185,6 +185,55 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     )
 
 
+SEPARATE_FIELDS = LayerWeights._fields[:16]  # a block's own parameters; the rest are the fused stacks
+FUSED_STACKS = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up"),
+                "gate_up_bias": ("gate_bias", "up_bias")}
+
+
+def own_weights(w: DecoderWeights, fuse: bool, copy_all: bool) -> DecoderWeights:
+    """Buffers for a copy of `w` (views of a model's parameters) that stays where it is from one rollout to the next,
+    so that CUDA graphs captured on it stay valid; fill_weights copies the parameters in.
+
+    fuse: each block's q/k/v and gate/up rows stacked into one buffer each, their separate fields views of it.
+    copy_all: every other tensor gets its own buffer too (the parameters move: FSDP2 unshards into new storage);
+    else those fields stay `w`'s tensors, the model's parameters, which must then stay where they are."""
+
+    def own(t: torch.Tensor | None) -> torch.Tensor | None:
+        return torch.empty_like(t) if copy_all and t is not None else t
+
+    layers = []
+    for block in w.layers:
+        fields = {name: own(getattr(block, name)) for name in SEPARATE_FIELDS}
+        if fuse:
+            for stack, parts in FUSED_STACKS.items():
+                tensors = [getattr(block, name) for name in parts]
+                if tensors[0] is None:
+                    continue
+                buffer = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=tensors[0].dtype,
+                                     device=tensors[0].device)
+                fields[stack] = buffer
+                fields.update(zip(parts, buffer.split([t.shape[0] for t in tensors])))
+        layers.append(LayerWeights(**fields))
+    embed = own(w.embed)
+    tied = w.lm_head.data_ptr() == w.embed.data_ptr() and w.lm_head.shape == w.embed.shape
+    return DecoderWeights(embed=embed, layers=layers, norm=own(w.norm), lm_head=embed if tied else own(w.lm_head),
+                          inv_freq=w.inv_freq.clone(), rope_scale=w.rope_scale, eps=w.eps, head_dim=w.head_dim,
+                          kv_heads=w.kv_heads, row_parallel=w.row_parallel)
+
+
+def fill_weights(dst: DecoderWeights, src: DecoderWeights) -> None:
+    """Copy the parameters `src` views into the buffers of `dst` (own_weights of the same model), in a few
+    multi-tensor kernels; fields that are the same tensor in both need no copy."""
+    pairs = [(dst.embed, src.embed), (dst.norm, src.norm)]
+    if dst.lm_head is not dst.embed:
+        pairs.append((dst.lm_head, src.lm_head))
+    for d, s in zip(dst.layers, src.layers):
+        pairs += [(getattr(d, name), getattr(s, name)) for name in SEPARATE_FIELDS]
+    pairs = [(d, s) for d, s in pairs if d is not None and d is not s]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
 def rope_tables(weights: DecoderWeights, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [length, D] in the model dtype for positions 0..length-1, computed as the HF rotary module does."""
     freqs = torch.arange(length, device=device).float()[:, None] * weights.inv_freq.to(device)[None, :]

@@ -1,9 +1,10 @@
-"""Native rollout engine: generation on the actor's own parameters in place, no second copy of the weights.
+"""Native rollout engine: generation on the actor's own parameters, gathered once per rollout (no second engine).
 
 Two paths behind one interface, picked per model:
 - the slot engine (rollout/slots.py) for Llama/Qwen2-family models, through rollout/decoder.py's compact forward: a
   preallocated KV cache of slots, batched prefill shared by a prompt's n samples, continuous batching, sampling and
-  stop checks on the device, decode steps captured in CUDA graphs on GPU (eager on CPU);
+  stop checks on the device, decode steps captured in CUDA graphs on GPU (eager on CPU); by default (resident) the
+  cache, the graphs and the engine's weight buffers stay from one rollout to the next;
 - the HF-forward loop (v1) for any other causal LM: left-pad the prompts, prefill them once, repeat the cache for the
   n samples of each prompt, then decode one token per forward for all rows with transformers' DynamicCache. Finished
   rows keep being fed pad tokens until every row (of every rank in the lockstep group) is done.
@@ -53,7 +54,9 @@ class NativeEngine:
     rollout runs, out of the rollout's memory share). decode_kernels: "auto", "triton" or "torch", the decode step's
     attention and sampling kernels, kernel_ops which of them (rollout/slots.SlotEngine).
     compact_forward=False forces the HF-forward path; models the compact forward cannot run use it anyway, and
-    fallback_reason says why. reshard_after_forward: the FSDP2 setting the model was sharded with, put back after
+    fallback_reason says why. resident: the slot engine keeps its decode weights, KV cache and CUDA graphs between
+    calls (rollout/slots.SlotEngine), and an FSDP2 model is resharded as soon as its parameters are copied, before
+    the decoding. reshard_after_forward: the FSDP2 setting the model was sharded with, put back after
     every rollout (which keeps the parameters unsharded while it runs).
     """
 
@@ -74,6 +77,7 @@ class NativeEngine:
         fused_projections: bool = True,
         decode_kernels: str = "auto",
         kernel_ops: frozenset[str] = KERNEL_OPS,
+        resident: bool = True,
         reshard_after_forward: bool = True,
     ):
         self.vocab_size = model.config.vocab_size
@@ -98,7 +102,7 @@ class NativeEngine:
         if self.fallback_reason is None:
             self.slots = SlotEngine(model, pad_token_id, tp_group, max_num_seqs, kv_cache_tokens,
                                     gpu_memory_utilization, max_prefill_tokens, cuda_graphs, compile,
-                                    fused_projections, decode_kernels, kernel_ops)
+                                    fused_projections, decode_kernels, kernel_ops, resident)
         self.stats: dict[str, float] = {}  # of the last generate call: reshard_s, and the slot engine's counters
 
     def generate(
@@ -144,6 +148,13 @@ class NativeEngine:
                 if not prompts:
                     empty = torch.empty((0, 0), dtype=torch.long, device=device)
                     return RolloutOutput([], empty, empty.clone(), empty.float())
+                if self.slots.resident:
+                    # the engine holds its own copy now: the gathered parameters are freed before decoding
+                    began = time.perf_counter()
+                    self.slots.load_weights()
+                    for module in fsdp_modules:
+                        module.reshard()
+                    switch_s += time.perf_counter() - began
                 out = self.slots.generate(prompts, params, generator, limits)
                 self.stats.update(self.slots.stats)
                 return out

@@ -28,11 +28,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from parallel.timing import DeviceClock
 from rollout import kernels
 from rollout.api import RolloutOutput, SamplingParams
-from rollout.decoder import DecoderWeights, decode_layer, prefill_layer, read_weights, rms_norm, rope_tables
+from rollout.decoder import (
+    SEPARATE_FIELDS,
+    DecoderWeights,
+    decode_layer,
+    fill_weights,
+    own_weights,
+    prefill_layer,
+    read_weights,
+    rms_norm,
+    rope_tables,
+)
 from rollout.sampling import gumbel_noise, sample_with_noise, take_first_tp_rank
 
 STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idles at most this many steps
@@ -143,36 +154,54 @@ def sample_and_record(
 
 
 class _Run:
-    """One generate call: the cache, the device state, the captured graphs and the host's view of the slots."""
+    """The cache, the device state, the captured graphs and the host's view of the slots: one generate call's, or,
+    with a resident engine, kept for the next call of the same `config` (reset between calls).
 
-    def __init__(self, slots: int, slot_len: int, num_seqs: int, max_new: int, w: DecoderWeights, device):
+    config: what, besides the slots, slot length and the bucket, a captured step depends on (sequences, response
+    length, whether there are stop tokens, the sampling settings, dtype, the attention kernel)."""
+
+    def __init__(self, slots: int, slot_len: int, config: tuple, w: DecoderWeights, device):
+        num_seqs, max_new, stops = config[:3]
+        self.slots, self.slot_len, self.config, self.num_seqs = slots, slot_len, config, num_seqs
+        self.shapes = (slots, slot_len, *config)  # a captured step's inputs besides the bucket
         shape = (slots, w.kv_heads, slot_len, w.head_dim)
-        # Zeroed, not empty: attention weighs masked positions by exactly 0, but 0 * NaN from stale memory is NaN.
-        self.k = [torch.zeros(shape, dtype=w.dtype, device=device) for _ in w.layers]
-        self.v = [torch.zeros(shape, dtype=w.dtype, device=device) for _ in w.layers]
+        self.k = [torch.empty(shape, dtype=w.dtype, device=device) for _ in w.layers]
+        self.v = [torch.empty(shape, dtype=w.dtype, device=device) for _ in w.layers]
         self.cos, self.sin = rope_tables(w, slot_len, device)
         self.positions = torch.arange(slot_len, device=device)
         self.rows = torch.arange(slots, device=device)
         long = dict(dtype=torch.long, device=device)
         self.state = SlotState(
-            token=torch.zeros(slots, **long),
-            pos=torch.zeros(slots, **long),
-            gen=torch.zeros(slots, **long),
-            limit=torch.ones(slots, **long),
-            live=torch.zeros(slots, dtype=torch.bool, device=device),
-            seq=torch.full((slots,), num_seqs, **long),
-            out_tokens=torch.zeros(num_seqs + 1, max_new, **long),
-            out_logprobs=torch.zeros(num_seqs + 1, max_new, dtype=torch.float32, device=device),
-            out_len=torch.zeros(num_seqs + 1, **long),
+            token=torch.empty(slots, **long),
+            pos=torch.empty(slots, **long),
+            gen=torch.empty(slots, **long),
+            limit=torch.empty(slots, **long),
+            live=torch.empty(slots, dtype=torch.bool, device=device),
+            seq=torch.empty(slots, **long),
+            out_tokens=torch.empty(num_seqs + 1, max_new, **long),
+            out_logprobs=torch.empty(num_seqs + 1, max_new, dtype=torch.float32, device=device),
+            out_len=torch.empty(num_seqs + 1, **long),
         )
-        self.slot_seq: list[int | None] = [None] * slots  # host: the sequence in each slot, None when free
-        self.slot_pos = [0] * slots  # host: pos of each occupied slot, exact at every check
-        self.slot_left = [0] * slots  # host: an upper bound on the steps each occupied slot may still decode
+        # the seed of the sampling noise and the stop tokens, filled in by each call: graphs read them here
+        self.seed = torch.empty(1, dtype=torch.int32, device=device)
+        self.stop_mask = torch.empty(w.embed.shape[0], dtype=torch.bool, device=device) if stops else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         cuda = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.capture_stream = torch.cuda.Stream(device) if cuda else None
-        self.shapes: tuple = ()  # what, besides the bucket, a captured step's inputs depend on (set by the engine)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot free, nothing generated, the cache zeroed."""
+        st = self.state
+        # Zeroed, not left as they were: attention weighs masked positions by exactly 0, but 0 * NaN is NaN.
+        torch._foreach_zero_([*self.k, *self.v, st.token, st.pos, st.gen, st.live, st.out_tokens, st.out_logprobs,
+                              st.out_len])
+        st.limit.fill_(1)
+        st.seq.fill_(self.num_seqs)  # the spare output row
+        self.slot_seq: list[int | None] = [None] * self.slots  # host: the sequence in each slot, None when free
+        self.slot_pos = [0] * self.slots  # host: pos of each occupied slot, exact at every check
+        self.slot_left = [0] * self.slots  # host: an upper bound on the steps each occupied slot may still decode
 
     def occupied(self) -> list[int]:
         return [s for s, seq in enumerate(self.slot_seq) if seq is not None]
@@ -192,6 +221,12 @@ class SlotEngine:
     SDPA and sampling.py), "triton" (the kernels or an error saying why not) or "torch". kernel_ops: which of them
     (KERNEL_OPS: decode attention; sampling, which without top-k / top-p it takes over) - all unless a benchmark
     measures them one by one.
+    resident: keep the decode weights, the KV cache and the captured graphs from one call to the next, so that a call
+    of the same shapes captures nothing and allocates nothing. The weights are then the engine's own buffers (the
+    stacked q/k/v and gate/up, and, when FSDP2 shards the model, a copy of every parameter: FSDP2 unshards into new
+    storage each time), refilled from the parameters by load_weights or at the start of each call; the memory stays
+    held between calls (through training). A call of other shapes (sequences, response length, sampling settings,
+    a longer slot) replaces the kept run.
     """
 
     def __init__(
@@ -208,6 +243,7 @@ class SlotEngine:
         fused_projections: bool = True,
         decode_kernels: str = "auto",
         kernel_ops: frozenset[str] = KERNEL_OPS,
+        resident: bool = False,
     ):
         if decode_kernels not in DECODE_KERNELS:
             raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
@@ -225,13 +261,19 @@ class SlotEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.cuda_graphs = cuda_graphs
         self.compile = compile
+        self.resident = resident
+        self._loaded: DecoderWeights | None = None  # read by load_weights for the next call
+        self._kept: DecoderWeights | None = None  # resident: the engine's weight buffers
+        self._kept_key: tuple = ()  # what the model's parameters were like when _kept was made
+        self._run: _Run | None = None  # resident: the last call's run
         self._compiled: dict[str, Callable] = {}
         # with sequences decoding, admit waiting ones once this many slots are free (None: slots // ADMIT_SHARE)
         self.admit_min_free: int | None = None
         self._warm: set[tuple] = set()  # (bucket, run shapes) that ran once before, so capture needs no warm-up run
         # of the last generate call: slots, decode_steps, prefills, graphs, kernel_attention and kernel_sampling (1:
-        # by the Triton kernel); seconds of its phases: prefill_s (the prefill forwards' device time), capture_s
-        # (host time capturing graphs, first runs of new shapes included), decode_s (the decode steps' device time)
+        # by the Triton kernel), new_run (1: the cache was allocated in this call, 0: a resident run reused); seconds
+        # of its phases: prefill_s (the prefill forwards' device time), capture_s (host time capturing graphs, first
+        # runs of new shapes included), decode_s (the decode steps' device time)
         self.stats: dict[str, float] = {}
 
     def generate(
@@ -242,8 +284,9 @@ class SlotEngine:
         limits: list[int],
     ) -> RolloutOutput:
         """prompts: non-empty token lists; limits: max_new_tokens per prompt. Called with the parameters unsharded
-        and autograd off (NativeEngine.generate)."""
-        w = read_weights(self.model, fuse=self.fused_projections)
+        (unless load_weights read them since) and autograd off (NativeEngine.generate)."""
+        w = self._loaded if self._loaded is not None else self._read_weights()
+        self._loaded = None
         if w.row_parallel != (self.tp_group is not None):
             raise ValueError(
                 f"tp_group is {'set' if self.tp_group is not None else 'None'} but the model's attention heads are "
@@ -261,10 +304,21 @@ class SlotEngine:
         max_new = max(limits)
         longest = max(len(p) + limit for p, limit in zip(prompts, limits))
         slot_len = -(-longest // SLOT_ALIGN) * SLOT_ALIGN
-        slots = self._slot_count(w, slot_len, longest, num_seqs, device)
-        run = _Run(slots, slot_len, num_seqs, max_new, w, device)
-        self.stats = dict(slots=slots, decode_steps=0, prefills=0, graphs=0, kernel_attention=int(kernel_attention),
-                          kernel_sampling=int(kernel_sampling), prefill_s=0.0, capture_s=0.0, decode_s=0.0)
+        sampling = (w.eps, params.temperature, params.top_k, params.top_p, params.min_new_tokens, kernel_sampling)
+        config = (num_seqs, max_new, bool(params.stop_token_ids), sampling, w.dtype, kernel_attention)
+        run = self._run
+        new_run = run is None or run.config != config or run.slot_len < slot_len
+        if new_run:
+            self._run = run = None  # the kept run's memory counts as free when the new one is sized
+            slots = self._slot_count(w, slot_len, longest, num_seqs, device)
+            run = _Run(slots, slot_len, config, w, device)
+            if self.resident:
+                self._run = run
+        else:
+            run.reset()
+        self.stats = dict(slots=run.slots, decode_steps=0, prefills=0, graphs=0, new_run=int(new_run),
+                          kernel_attention=int(kernel_attention), kernel_sampling=int(kernel_sampling),
+                          prefill_s=0.0, capture_s=0.0, decode_s=0.0)
         clock = DeviceClock(device)
         use_graphs = self.cuda_graphs and device.type == "cuda"
         compiled = self.compile and device.type == "cuda" and self.tp_group is None
@@ -277,13 +331,11 @@ class SlotEngine:
             broadcast = partial(take_first_tp_rank, group=self.tp_group)
         # The seed of the counter-based sampling noise: drawn from `generator`, so a seed reproduces the output.
         seed_device = generator.device if generator is not None else device
-        seed = torch.randint(2**31 - 1, (1,), generator=generator, device=seed_device).to(device, torch.int32)
-        stop_mask = None
-        if params.stop_token_ids:
-            stop_mask = torch.zeros(w.embed.shape[0], dtype=torch.bool, device=device)
+        seed, stop_mask = run.seed, run.stop_mask
+        seed.copy_(torch.randint(2**31 - 1, (1,), generator=generator, device=seed_device))
+        if stop_mask is not None:
+            stop_mask.zero_()
             stop_mask[list(params.stop_token_ids)] = True
-        sampling = (w.eps, params.temperature, params.top_k, params.top_p, params.min_new_tokens, kernel_sampling)
-        run.shapes = (slots, slot_len, num_seqs, max_new, stop_mask is None, sampling, w.dtype, kernel_attention)
 
         def sample_rows(hidden, residual, rows, advance_positions):
             sample(hidden, residual, rows, w.norm, w.lm_head, run.state, seed, stop_mask, *sampling,
@@ -301,7 +353,7 @@ class SlotEngine:
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))
-        admit_min_free = self.admit_min_free or max(1, slots // ADMIT_SHARE)
+        admit_min_free = self.admit_min_free or max(1, run.slots // ADMIT_SHARE)
         while True:
             free = [s for s, seq in enumerate(run.slot_seq) if seq is None]
             # With sequences still decoding, admission waits for admit_min_free free slots (or room for all that
@@ -313,11 +365,11 @@ class SlotEngine:
             occupied = run.occupied()
             if not occupied:
                 break
-            batch = _batch_bucket(max(occupied) + 1, slots)
+            batch = _batch_bucket(max(occupied) + 1, run.slots)
             # 0 when every occupied slot finished at its prefill (max_new_tokens 1): no step, no graph to capture
             steps = min(STEPS_PER_CHECK, max(run.slot_left[s] for s in occupied))
             needed = max(run.slot_pos[s] for s in occupied) + steps
-            length = min(slot_len, -(-needed // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+            length = min(run.slot_len, -(-needed // CONTEXT_BUCKET) * CONTEXT_BUCKET)
             if use_graphs and steps and (batch, length) not in run.graphs:
                 with clock("capture_s", host=True):
                     self._graph(run, batch, length, step)
@@ -340,6 +392,28 @@ class SlotEngine:
             response_mask=mask.long(),
             logprobs=run.state.out_logprobs[:num_seqs, :width].masked_fill(~mask, 0.0),
         )
+
+    def load_weights(self) -> None:
+        """Read the model's parameters (unsharded) for the next generate call. A resident engine copies them into
+        its own buffers, so the caller may reshard the model before generating."""
+        self._loaded = self._read_weights()
+
+    def _read_weights(self) -> DecoderWeights:
+        fuse = self.fused_projections
+        views = read_weights(self.model, fuse=fuse and not self.resident)
+        if not self.resident:
+            return views
+        copy_all = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        tensors = [views.embed, views.norm, views.lm_head]
+        tensors += [getattr(block, name) for block in views.layers for name in SEPARATE_FIELDS]
+        # buffers that stay the model's parameters are valid while those stay where they are
+        key = (fuse, copy_all, *((t.shape, t.dtype, t.device, None if copy_all else t.data_ptr())
+                                 for t in tensors if t is not None))
+        if key != self._kept_key:
+            self._kept = self._run = None  # their memory is free before the new buffers take theirs
+            self._kept, self._kept_key = own_weights(views, fuse, copy_all), key
+        fill_weights(self._kept, views)
+        return self._kept
 
     def _use_kernels(self, head_dim: int, device: torch.device) -> bool:
         """Whether the decode step runs rollout/kernels.py's Triton kernels (auto: on CUDA where they can)."""

@@ -309,7 +309,38 @@ def test_a_rollout_over_the_world_plans_an_engine_on_every_pool(tmp_path, monkey
     assert alone["engine"] is None
     # the replica stays between rollouts: every phase of the critic and the reference holds it too
     assert alone["phases"].keys() == other["phases"].keys() - {"rollout"} == {"critic update", "critic forward"}
-    assert all(other["phases"][k] == v + whole for k, v in alone["phases"].items())
+    # and, resident (the default), its fused copies and KV cache
+    assert other["engine"]["kept"] == other["engine"]["fused"] + other["engine"]["kv"] > 0
+    assert all(other["phases"][k] == v + whole + other["engine"]["kept"] for k, v in alone["phases"].items())
+
+
+def test_a_resident_engine_holds_its_copy_and_cache_in_every_phase(tmp_path, monkeypatch, capsys):
+    # rollout.resident on the actor's pool (FSDP2): the engine copies the gathered model and keeps the copy and its
+    # KV cache between rollouts; the gathered model is freed before the decoding.
+    from tasks.tiny_model import build_tiny_causal_lm
+
+    config = write_config(tmp_path, reward_model=False)
+
+    def pool(resident: bool) -> dict:
+        code, out, _ = plan_cli(["--config", config, "--plan", "--world", "1", "--gpu-memory", "80", "--json",
+                                 f"rollout.resident={str(resident).lower()}"], monkeypatch, capsys)
+        assert code == 0, out
+        return json.loads(out)["pools"][0]
+
+    kept, plain = pool(True), pool(False)
+    whole = 4 * sum(p.numel() for p in build_tiny_causal_lm(32000, **TINY).parameters())  # float32 (quickstart)
+    # quickstart: 32 prompts x 4 samples on one rank, slots of 16 + 5 tokens rounded up to 8; per token 2 (k, v)
+    # x 2 layers x 2 kv heads x 16 (head_dim) floats
+    kv = 32 * 4 * 24 * (2 * 2 * 2 * 16 * 4)
+    e, p = kept["engine"], plain["engine"]
+    assert (e["weights"], e["fused"], e["kv"], e["kept"], e["frees_gathered"]) == (whole, whole, kv, whole + kv, True)
+    assert (p["kept"], p["frees_gathered"]) == (0, False) and 0 < p["fused"] < whole
+    assert kept["phases"].keys() == plain["phases"].keys()
+    for phase, held in plain["phases"].items():
+        if phase != "rollout":
+            assert kept["phases"][phase] == held + whole + kv, phase
+    state = plain["phases"]["rollout"] - (p["weights"] + p["fused"] + p["work"] + p["kv"])
+    assert kept["phases"]["rollout"] == state + max(2 * whole, whole + e["work"] + kv)
 
 
 def test_world_from_torchrun_environment(tmp_path, monkeypatch, capsys):

@@ -84,3 +84,27 @@ def test_a_call_that_only_prefills_captures_no_graph_and_times_its_phases(model)
     assert engine.stats["prefill_s"] > 0
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0))
     assert engine.stats["graphs"] >= 1 and engine.stats["capture_s"] > 0 and engine.stats["decode_s"] > 0
+
+
+def test_a_resident_engine_replays_its_graphs_on_the_new_weights():
+    # The default engine keeps its cache, graphs and weight buffers: the second call of the same shapes captures
+    # nothing, and after the parameters change in place its graphs decode with the new values (the buffers are
+    # refilled, not rebound): what a fresh engine gives on the changed model.
+    from test_rollout_kernels import head16_model
+
+    model = head16_model()
+    prompts = [[5 + i % 40, 6, 7, 8 + i % 3][: 2 + i % 3] for i in range(12)]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, n=2, stop_token_ids=(11,))
+    seed = lambda: torch.Generator("cuda").manual_seed(6)
+    kept = NativeEngine(model, PAD, max_num_seqs=16)
+    first = kept.generate(prompts, params, seed())
+    assert kept.stats["new_run"] == 1 and kept.stats["graphs"] >= 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    second = kept.generate(prompts, params, seed())
+    assert kept.stats["new_run"] == 0 and kept.stats["graphs"] == 0 and kept.stats["capture_s"] == 0
+    expected = NativeEngine(model, PAD, max_num_seqs=16, resident=False).generate(prompts, params, seed())
+    assert not torch.allclose(second.logprobs, first.logprobs)
+    assert torch.equal(second.response_ids, expected.response_ids)
+    torch.testing.assert_close(second.logprobs, expected.logprobs, atol=1e-5, rtol=0)

@@ -5,6 +5,9 @@ tests/test_rollout_native.py runs its checks through the same default engine; th
 has. tests/test_rollout_cuda.py repeats the key checks with CUDA graphs and torch.compile on a GPU.
 """
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from test_rollout_native import PAD, PROMPTS, VOCAB, responses, teacher_forced_logprobs, tiny_model
@@ -176,6 +179,40 @@ def test_admission_waits_for_enough_free_slots():
         assert (engine.stats["prefills"], engine.stats["decode_steps"]) == (prefills, steps)
         assert outputs[-1].response_mask.sum(-1).tolist() == limits
     assert torch.equal(outputs[0].response_ids, outputs[1].response_ids)
+
+
+def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model):
+    # A resident engine keeps its cache, graphs and stacked weights between calls; each call refills the weights.
+    # After the parameters change in place (an optimizer step), the next call of the same shapes reuses the run and
+    # gives what a fresh engine gives on the changed model, not what it gave before.
+    model = copy.deepcopy(model)
+    params = SamplingParams(max_new_tokens=9, temperature=1.0, n=2, stop_token_ids=(5,))
+    seed = lambda: torch.Generator().manual_seed(4)
+    kept = NativeEngine(model, PAD, max_num_seqs=5)
+    first = kept.generate(PROMPTS, params, seed())
+    assert kept.stats["new_run"] == 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    second = kept.generate(PROMPTS, params, seed())
+    assert kept.stats["new_run"] == 0
+    fresh = NativeEngine(model, PAD, max_num_seqs=5, resident=False)
+    expected = fresh.generate(PROMPTS, params, seed())
+    assert fresh.slots._run is None and fresh.stats["new_run"] == 1
+    assert not torch.allclose(second.logprobs, first.logprobs)
+    assert torch.equal(second.response_ids, expected.response_ids)
+    assert torch.equal(second.response_mask, expected.response_mask)
+    torch.testing.assert_close(second.logprobs, expected.logprobs, atol=0, rtol=0)
+    # Shorter prompts fit the kept slots; other sampling settings or longer sequences build a new run.
+    short = [p[:1] for p in PROMPTS]
+    assert torch.equal(kept.generate(short, params, seed()).response_ids,
+                       fresh.generate(short, params, seed()).response_ids)
+    assert kept.stats["new_run"] == 0
+    for prompts, changed in ((short, dataclasses.replace(params, temperature=0.5)),
+                             (short, dataclasses.replace(params, n=1)), ([p * 3 for p in PROMPTS], params)):
+        out = kept.generate(prompts, changed, seed())
+        assert kept.stats["new_run"] == 1
+        assert torch.equal(out.response_ids, fresh.generate(prompts, changed, seed()).response_ids)
 
 
 def test_gumbel_sampling_follows_the_truncated_distribution():

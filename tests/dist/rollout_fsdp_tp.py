@@ -93,6 +93,21 @@ def check_fsdp(mesh: DeviceMesh) -> None:
         dist.all_gather_object(counts, len(forwards))
         check(len(set(counts)) == 1, f"fsdp {name}: ranks made different numbers of forwards {counts}")
 
+    # The slot engine is resident: it copied the gathered parameters into its own buffers and resharded before
+    # decoding. After the weights change (an optimizer step's stand-in, exact in float32 on both copies) the same
+    # call reuses its cache and decodes with the new weights.
+    before = out
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().mul_(0.5)
+        for p in reference.model.parameters():
+            p.mul_(0.5)
+    out = engines["slots"].generate(prompts, params)
+    if rank == 1:
+        check(engines["slots"].stats["new_run"] == 0, f"fsdp: the resident run was not reused {engines['slots'].stats}")
+        check(not torch.allclose(out.logprobs, before.logprobs), "fsdp: the weight change changed nothing")
+        check_same(out, reference.generate(prompts, params), "fsdp resident after a weight change")
+
     # The rollout puts back the reshard_after_forward the model was sharded with (FSDP2 has no public getter: its
     # parameter group keeps no post-forward mesh when it does not reshard).
     def reshards_after_forward() -> set[bool]:
