@@ -152,6 +152,9 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
             if any(f"timing_s/{phase}" in r for r in rows) else None
     out["start_s"] = rows[0].get("timing_s/startup") if rows else None
     out["memory_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
+    # the rollout's log-probs against the actor's teacher-forced ones: a rollout on stale weights would show here
+    diffs = [r["rollout/logprob_diff_max"] for r in rows if r.get("rollout/logprob_diff_max") is not None]
+    out["logprob_diff_max"] = max(diffs) if diffs else None
     # NVML, sampled during the steps (absent without pynvml): the whole device, NCCL and the engine's cache included
     util = [r["perf/gpu_util"] for r in rows[1:] if r.get("perf/gpu_util") is not None]
     out["gpu_util"] = statistics.mean(util) if util else None

@@ -70,9 +70,9 @@ def split_count(batch: int, kv_heads: int, length: int, programs: int) -> int:
     return _part_count(length, BLOCK_T, batch * kv_heads, programs)
 
 
-def _programs(device: torch.device) -> int:
+def _programs(device: torch.device, per_sm: int = 2) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 64  # interpreted: enough programs that small test batches are split
 
 
@@ -289,6 +289,11 @@ def sample_chunks(rows: int, vocab: int, programs: int) -> int:
     return _part_count(vocab, BLOCK_V, rows, programs)
 
 
+# sample_tokens' programs per SM: on an H200 8 chunks per row at 256 rows (16 per SM) took 158 us where 2 (2 per SM)
+# took 169, and 16-32 chunks at 64 rows 46 us where 5 took 53 (bench/sample_kernel.py)
+SAMPLE_PROGRAMS_PER_SM = 16
+
+
 def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,
                        steps: torch.Tensor, stop_mask: torch.Tensor | None, banned_rows: torch.Tensor | None,
                        chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +307,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, vocab = logits.shape
     if chunks <= 0:
-        chunks = sample_chunks(rows, vocab, _programs(logits.device))
+        chunks = sample_chunks(rows, vocab, _programs(logits.device, SAMPLE_PROGRAMS_PER_SM))
     chunk, chunks = _whole_tiles(vocab, chunks, BLOCK_V)
     device = logits.device
     parts = [torch.empty(rows * chunks, dtype=torch.float32, device=device) for _ in range(4)]

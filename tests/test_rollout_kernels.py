@@ -183,6 +183,9 @@ def test_sample_chunks():
     assert kernels.sample_chunks(64, 151936, 256) == 4
     assert kernels.sample_chunks(1, 151936, 256) == 75
     assert kernels.sample_chunks(256, 151936, 264) == 2
+    # the engine's count on an H200 (132 SMs): 2112 programs for 256 rows, 9 chunks of 9 tiles (the last one 2.2)
+    assert kernels.sample_chunks(256, 151936, 132 * kernels.SAMPLE_PROGRAMS_PER_SM) == 9
+    assert kernels._whole_tiles(151936, 9, kernels.BLOCK_V) == (9 * 2048, 9)
     assert kernels.sample_chunks(8, 1000, 256) == 1
 
 
