@@ -144,12 +144,14 @@ class RolloutConfig:
     # the native engine (rollout/): slots, KV cache, CUDA graphs
     max_num_seqs: int = 256  # sequences decoded at once (KV-cache slots)
     kv_cache_tokens: int | None = None  # None: size the cache from gpu_memory_utilization on GPU
-    gpu_memory_utilization: float = 0.5  # share of the GPU this process may hold while generating (training shares it)
+    # share of the GPU this process may hold while generating (training shares it); a cache it cuts short (fewer
+    # slots than sequences) lives for one rollout, even with resident
+    gpu_memory_utilization: float = 0.5
     max_prefill_tokens: int = 16384
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the decode step before graph capture (GPU only)
     compact_forward: bool = True  # our own Llama/Qwen2 decode forward (slots, graphs); false: the v1 loop on HF forward
-    fused_projections: bool = True  # q/k/v and gate/up as one GEMM each: copies ~2/3 of the blocks' weights per rollout
+    fused_projections: bool = True  # q/k/v and gate/up as one GEMM each: stacked copies of ~2/3 of the blocks' weights
     # keep the native engine's KV cache, CUDA graphs and weight buffers (the stacked q/k/v and gate/up; under FSDP2 a
     # copy of the whole model) between rollouts: no graph capture after the first rollout of a shape, the memory held
     # through training

@@ -72,7 +72,8 @@ def _fused(block: LayerWeights) -> LayerWeights:
 
 @dataclass
 class DecoderWeights:
-    """Views of a model's parameters (no copies); valid while the parameters stay where they are (one rollout)."""
+    """A model's parameters as the forward reads them: views (read_weights; valid while the parameters stay where
+    they are, one rollout) or buffers of the engine's own (own_weights, refilled by fill_weights)."""
 
     embed: torch.Tensor  # [V, hidden]
     layers: list[LayerWeights]
@@ -201,9 +202,11 @@ def own_weights(w: DecoderWeights, fuse: bool, copy_all: bool) -> DecoderWeights
     def own(t: torch.Tensor | None) -> torch.Tensor | None:
         return torch.empty_like(t) if copy_all and t is not None else t
 
+    stacked = {name for parts in FUSED_STACKS.values() for name in parts} if fuse else set()
     layers = []
     for block in w.layers:
-        fields = {name: own(getattr(block, name)) for name in SEPARATE_FIELDS}
+        fields = {name: getattr(block, name) if name in stacked else own(getattr(block, name))
+                  for name in SEPARATE_FIELDS}
         if fuse:
             for stack, parts in FUSED_STACKS.items():
                 tensors = [getattr(block, name) for name in parts]
@@ -223,13 +226,14 @@ def own_weights(w: DecoderWeights, fuse: bool, copy_all: bool) -> DecoderWeights
 
 def fill_weights(dst: DecoderWeights, src: DecoderWeights) -> None:
     """Copy the parameters `src` views into the buffers of `dst` (own_weights of the same model), in a few
-    multi-tensor kernels; fields that are the same tensor in both need no copy."""
+    multi-tensor kernels; fields that are the same memory in both (the model's own parameters) need no copy."""
     pairs = [(dst.embed, src.embed), (dst.norm, src.norm)]
     if dst.lm_head is not dst.embed:
         pairs.append((dst.lm_head, src.lm_head))
     for d, s in zip(dst.layers, src.layers):
         pairs += [(getattr(d, name), getattr(s, name)) for name in SEPARATE_FIELDS]
-    pairs = [(d, s) for d, s in pairs if d is not None and d is not s]
+    # a field that stayed the model's parameter is read anew (a new tensor object) but is the same memory
+    pairs = [(d, s) for d, s in pairs if d is not None and d.data_ptr() != s.data_ptr()]
     if pairs:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 

@@ -49,15 +49,15 @@ class NativeEngine:
     the KV cache in tokens, or else gpu_memory_utilization (the share of the GPU's memory this process may hold in
     all) does on CUDA; max_prefill_tokens bounds the padded prompt tokens of one prefill forward; cuda_graphs and
     compile turn on CUDA-graph capture of the decode step and torch.compile of its pieces (CUDA only).
-    fused_projections: decode with q/k/v and gate/up stacked into one weight each, copied once per rollout (one
-    GEMM where there were three and two; the copies hold about two thirds of the decoder blocks' weights while the
-    rollout runs, out of the rollout's memory share). decode_kernels: "auto", "triton" or "torch", the decode step's
-    attention and sampling kernels, kernel_ops which of them (rollout/slots.SlotEngine).
+    fused_projections: decode with q/k/v and gate/up stacked into one weight each, refilled once per rollout (one
+    GEMM where there were three and two; the copies hold about two thirds of the decoder blocks' weights).
+    decode_kernels: "auto", "triton" or "torch", the decode step's attention and sampling kernels, kernel_ops which
+    of them (rollout/slots.SlotEngine).
     compact_forward=False forces the HF-forward path; models the compact forward cannot run use it anyway, and
     fallback_reason says why. resident: the slot engine keeps its decode weights, KV cache and CUDA graphs between
     calls (rollout/slots.SlotEngine), and an FSDP2 model is resharded as soon as its parameters are copied, before
     the decoding. reshard_after_forward: the FSDP2 setting the model was sharded with, put back after
-    every rollout (which keeps the parameters unsharded while it runs).
+    every rollout (which keeps the parameters unsharded while it runs, or until the resident engine copied them).
     """
 
     def __init__(

@@ -13,8 +13,10 @@ generate call repeats:
    finished slots, and, once no sequence waits, moves the live slots to the front so a smaller bucket serves them.
 Tokens and logprobs land in per-sequence output rows, so any slot can serve any sequence.
 
-The forward is rollout/decoder.py's compact Llama/Qwen2 forward over the model's parameters in place; its blocks and
-the sampling step can be compiled with torch.compile (CUDA only) before the graphs are captured.
+The forward is rollout/decoder.py's compact Llama/Qwen2 forward over the model's parameters (in place, or with a
+resident engine over its own buffers, refilled from them every call: the stacked projections, and under FSDP2 a copy
+of every parameter); its blocks and the sampling step can be compiled with torch.compile (CUDA only) before the
+graphs are captured.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ class _Run:
 
 
 class SlotEngine:
-    """Generation with a slot KV cache on a Llama/Qwen2 model's parameters in place; see the module docstring.
+    """Generation with a slot KV cache on a Llama/Qwen2 model's parameters; see the module docstring.
 
     max_num_seqs: slots at most (the decode batch). kv_cache_tokens: the KV cache's size in tokens (slots x slot
     length); None sizes it on CUDA from gpu_memory_utilization (the share of the GPU's memory this process may hold
@@ -216,7 +218,7 @@ class SlotEngine:
     (padded) per prefill forward, which bounds its activations. cuda_graphs / compile: capture the decode step in
     CUDA graphs, and compile its blocks and sampling with torch.compile first (CUDA only; compile is skipped under
     tensor parallelism, whose all-reduce runs between the compiled pieces). fused_projections: decode with stacked
-    q/k/v and gate/up weights, copied per rollout (rollout/decoder.read_weights). decode_kernels: "auto" (the
+    q/k/v and gate/up weights, copied every call (rollout/decoder). decode_kernels: "auto" (the
     Triton kernels of rollout/kernels.py where they run: CUDA with Triton, head_dim a power of two; else PyTorch's
     SDPA and sampling.py), "triton" (the kernels or an error saying why not) or "torch". kernel_ops: which of them
     (KERNEL_OPS: decode attention; sampling, which without top-k / top-p it takes over) - all unless a benchmark
@@ -243,7 +245,7 @@ class SlotEngine:
         fused_projections: bool = True,
         decode_kernels: str = "auto",
         kernel_ops: frozenset[str] = KERNEL_OPS,
-        resident: bool = False,
+        resident: bool = True,
     ):
         if decode_kernels not in DECODE_KERNELS:
             raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
@@ -266,6 +268,7 @@ class SlotEngine:
         self._kept: DecoderWeights | None = None  # resident: the engine's weight buffers
         self._kept_key: tuple = ()  # what the model's parameters were like when _kept was made
         self._run: _Run | None = None  # resident: the last call's run
+        self._gathered_bytes = 0  # resident, FSDP2: the gathered parameters' bytes, which the next rollout gathers
         self._compiled: dict[str, Callable] = {}
         # with sequences decoding, admit waiting ones once this many slots are free (None: slots // ADMIT_SHARE)
         self.admit_min_free: int | None = None
@@ -310,9 +313,11 @@ class SlotEngine:
         new_run = run is None or run.config != config or run.slot_len < slot_len
         if new_run:
             self._run = run = None  # the kept run's memory counts as free when the new one is sized
-            slots = self._slot_count(w, slot_len, longest, num_seqs, device)
+            slots, by_share = self._slot_count(w, slot_len, longest, num_seqs, device)
             run = _Run(slots, slot_len, config, w, device)
-            if self.resident:
+            # A cache the GPU share cut short fills that share: kept, it would hold it through training (sized
+            # before the optimizer's state exists, even), so it lives for this call only.
+            if self.resident and not by_share:
                 self._run = run
         else:
             run.reset()
@@ -412,6 +417,8 @@ class SlotEngine:
         if key != self._kept_key:
             self._kept = self._run = None  # their memory is free before the new buffers take theirs
             self._kept, self._kept_key = own_weights(views, fuse, copy_all), key
+            unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if t is not None}
+            self._gathered_bytes = sum(unique.values()) if copy_all else 0
         fill_weights(self._kept, views)
         return self._kept
 
@@ -431,18 +438,24 @@ class SlotEngine:
             self._compiled[fn.__name__] = compile_piece(fn)
         return self._compiled[fn.__name__]
 
-    def _slot_count(self, w: DecoderWeights, slot_len: int, longest: int, num_seqs: int, device) -> int:
-        """How many slots of slot_len tokens the KV cache budget holds, at most max_num_seqs and num_seqs."""
-        budget = self.kv_cache_tokens
+    def _slot_count(self, w: DecoderWeights, slot_len: int, longest: int, num_seqs: int,
+                    device) -> tuple[int, bool]:
+        """How many slots of slot_len tokens the KV cache budget holds, at most max_num_seqs and num_seqs; and
+        whether the share of the GPU (gpu_memory_utilization, no kv_cache_tokens) cut them below that."""
+        budget, wanted = self.kv_cache_tokens, min(self.max_num_seqs, num_seqs)
         if budget is None and device.type == "cuda":
             bytes_per_token = 2 * len(w.layers) * w.kv_heads * w.head_dim * w.embed.element_size()
             free, total = torch.cuda.mem_get_info(device)
             allocated = torch.cuda.memory_allocated(device)
             cached = torch.cuda.memory_reserved(device) - allocated
             available = min(free + cached, self.gpu_memory_utilization * total - allocated)
-            budget = int(available - self._activation_bytes(w)) // bytes_per_token
+            # a resident engine with its own copy of a sharded model holds it while the next rollout gathers the
+            # model again: that gathering needs room beside the cache, as the decoding's transients do
+            budget = int(available - max(self._activation_bytes(w), self._gathered_bytes)) // bytes_per_token
+            if budget >= slot_len:
+                return min(wanted, budget // slot_len), budget // slot_len < wanted
         if budget is None:
-            return min(self.max_num_seqs, num_seqs)
+            return wanted, False
         if budget < slot_len:
             source = "kv_cache_tokens" if self.kv_cache_tokens is not None else "gpu_memory_utilization"
             raise ValueError(
@@ -450,7 +463,7 @@ class SlotEngine:
                 f"tokens (longest prompt + max_new_tokens; a slot takes {slot_len}): raise {source} or shorten the "
                 "prompts or max_new_tokens"
             )
-        return min(self.max_num_seqs, num_seqs, budget // slot_len)
+        return min(wanted, budget // slot_len), False
 
     def _activation_bytes(self, w: DecoderWeights) -> int:
         """A rough bound on the transient memory of a prefill forward and a decode step, kept out of the KV cache."""

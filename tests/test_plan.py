@@ -309,14 +309,16 @@ def test_a_rollout_over_the_world_plans_an_engine_on_every_pool(tmp_path, monkey
     assert alone["engine"] is None
     # the replica stays between rollouts: every phase of the critic and the reference holds it too
     assert alone["phases"].keys() == other["phases"].keys() - {"rollout"} == {"critic update", "critic forward"}
-    # and, resident (the default), its fused copies and KV cache
-    assert other["engine"]["kept"] == other["engine"]["fused"] + other["engine"]["kv"] > 0
+    # and, resident (the default), its fused copies, KV cache and decode graphs' pool (slots x vocabulary x 16)
+    graphs = other["engine"]["slots"] * 32000 * 16
+    assert other["engine"]["kept"] == other["engine"]["fused"] + other["engine"]["kv"] + graphs > graphs
     assert all(other["phases"][k] == v + whole + other["engine"]["kept"] for k, v in alone["phases"].items())
 
 
 def test_a_resident_engine_holds_its_copy_and_cache_in_every_phase(tmp_path, monkeypatch, capsys):
-    # rollout.resident on the actor's pool (FSDP2): the engine copies the gathered model and keeps the copy and its
-    # KV cache between rollouts; the gathered model is freed before the decoding.
+    # rollout.resident on the actor's pool (FSDP2): the engine copies the gathered model and keeps the copy, its
+    # KV cache and its decode graphs' pool between rollouts; the gathered model is freed before the decoding and
+    # gathered again next time beside what is kept.
     from tasks.tiny_model import build_tiny_causal_lm
 
     config = write_config(tmp_path, reward_model=False)
@@ -332,15 +334,24 @@ def test_a_resident_engine_holds_its_copy_and_cache_in_every_phase(tmp_path, mon
     # quickstart: 32 prompts x 4 samples on one rank, slots of 16 + 5 tokens rounded up to 8; per token 2 (k, v)
     # x 2 layers x 2 kv heads x 16 (head_dim) floats
     kv = 32 * 4 * 24 * (2 * 2 * 2 * 16 * 4)
+    graphs = 32 * 4 * 32000 * 16  # 128 slots' logits and sampling temporaries in the graphs' pool
     e, p = kept["engine"], plain["engine"]
-    assert (e["weights"], e["fused"], e["kv"], e["kept"], e["frees_gathered"]) == (whole, whole, kv, whole + kv, True)
+    assert (e["weights"], e["fused"], e["kv"], e["kept"], e["frees_gathered"]) == \
+        (whole, whole, kv, whole + kv + graphs, True)
     assert (p["kept"], p["frees_gathered"]) == (0, False) and 0 < p["fused"] < whole
     assert kept["phases"].keys() == plain["phases"].keys()
     for phase, held in plain["phases"].items():
         if phase != "rollout":
-            assert kept["phases"][phase] == held + whole + kv, phase
+            assert kept["phases"][phase] == held + whole + kv + graphs, phase
     state = plain["phases"]["rollout"] - (p["weights"] + p["fused"] + p["work"] + p["kv"])
-    assert kept["phases"]["rollout"] == state + max(2 * whole, whole + e["work"] + kv)
+    assert kept["phases"]["rollout"] == state + whole + kv + max(whole + graphs, e["work"])
+    # A cache the GPU share cuts short (here fewer slots than the 128 sequences) fills that share: the engine does
+    # not keep it, nor does the plan.
+    cfg = C.load_config(config, ["rollout.max_new_tokens=100"])
+    for gib, cut in ((0.52, True), (0.6, False)):
+        e = P.make_plan(cfg, 1, int(gib * P.GiB)).pools[0].engine
+        assert e.error is None and (e.slots < 128) == cut, (gib, e)
+        assert e.kept == whole + (0 if cut else e.kv + e.slots * 32000 * 16)
 
 
 def test_world_from_torchrun_environment(tmp_path, monkeypatch, capsys):

@@ -108,3 +108,31 @@ def test_a_resident_engine_replays_its_graphs_on_the_new_weights():
     assert not torch.allclose(second.logprobs, first.logprobs)
     assert torch.equal(second.response_ids, expected.response_ids)
     torch.testing.assert_close(second.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_cache_the_gpu_share_cuts_short_is_not_kept():
+    # A share (gpu_memory_utilization) that leaves room for 2.5 slots of the 12 sequences: 2 slots, and the cache,
+    # which fills the share, lives for this call only; the same engine with room for all 12 keeps its run.
+    from test_rollout_kernels import head16_model
+
+    from rollout.decoder import read_weights
+
+    model = head16_model()
+    prompts = PROMPTS[:3] * 2  # 6 prompts x n=2: 12 sequences
+    params = SamplingParams(max_new_tokens=200, temperature=0, n=2)
+    slot_len = -(-(max(len(p) for p in prompts) + 200) // 8) * 8
+    w = read_weights(model, fuse=True)
+    per_slot = slot_len * 2 * len(w.layers) * w.kv_heads * w.head_dim * w.embed.element_size()
+    stacked = sum(t.numel() * t.element_size() for b in w.layers for t in (b.qkv, b.qkv_bias, b.gate_up)
+                  if t is not None)  # the resident engine's own buffers, allocated before it sizes the cache
+    engine = NativeEngine(model, PAD, max_num_seqs=12)
+    activations = engine.slots._activation_bytes(w)
+    del w
+    share = torch.cuda.memory_allocated() + stacked + activations + 2.5 * per_slot
+    engine.slots.gpu_memory_utilization = share / torch.cuda.mem_get_info()[1]
+    cut = engine.generate(prompts, params)
+    assert engine.stats["slots"] == 2 and engine.slots._run is None
+    engine.slots.gpu_memory_utilization = 0.9
+    whole = engine.generate(prompts, params)
+    assert engine.stats["slots"] == 12 and engine.stats["new_run"] == 1 and engine.slots._run is not None
+    assert torch.equal(cut.response_ids, whole.response_ids)
