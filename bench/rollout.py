@@ -13,7 +13,8 @@ change speed. Runs per model:
   the per-prompt max_new_tokens, no stop tokens), so sequences finish at different steps. HF `generate` is not run
   here: a static batch runs every row to the longest, so its figure would be the equal run's times mean/max length.
 Each engine run is warmed up once with the same shapes first (torch.compile and CUDA-graph capture stay out of the
-timed run; capture happens again in every call and is timed). Tokens/s counts generated tokens only. The prefill
+timed run: the engine is resident, so the timed call replays the warm-up's graphs, as a training run's rollouts after
+the first do). Tokens/s counts generated tokens only. The prefill
 share is measured by a run with max_new_tokens = 1; per decode step = (time - prefill) / decode steps.
 The last lines are a markdown table for bench/RESULTS.md.
 """

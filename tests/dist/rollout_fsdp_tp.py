@@ -169,6 +169,20 @@ def check_tp(mesh: DeviceMesh) -> None:
             dist.all_gather_object(everyone, mine)
             check(all(o == everyone[0] for o in everyone), f"tp {engine_name} sampling with {name}: ranks diverged")
 
+    # The resident slot engine keeps its stacked copies of the local shards and its run: after the shards change in
+    # place, the same call reuses the run and decodes with the new values.
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(30,))
+    before = engines["slots"].generate(prompts, params)
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).mul_(0.5)
+        for p in reference.model.parameters():
+            p.mul_(0.5)
+    out = engines["slots"].generate(prompts, params)
+    check(engines["slots"].stats["new_run"] == 0, f"tp: the resident run was not reused {engines['slots'].stats}")
+    check(not torch.allclose(out.logprobs, before.logprobs), "tp: the weight change changed nothing")
+    check_same(out, reference.generate(prompts, params), "tp resident after a weight change")
+
 
 def main() -> None:
     dist.init_process_group("gloo")
