@@ -14,7 +14,7 @@ change speed. Runs per model:
   here: a static batch runs every row to the longest, so its figure would be the equal run's times mean/max length.
 Each engine run is warmed up once with the same shapes first (torch.compile and CUDA-graph capture stay out of the
 timed run: the engine is resident, so the timed call replays the warm-up's graphs, as a training run's rollouts after
-the first do). Tokens/s counts generated tokens only. The prefill
+the first do; --no-resident captures in every call). Tokens/s counts generated tokens only. The prefill
 share is measured by a run with max_new_tokens = 1; per decode step = (time - prefill) / decode steps.
 The last lines are a markdown table for bench/RESULTS.md.
 """
@@ -116,7 +116,7 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         decode_kernels, ops = KERNEL_VARIANTS[variant]
         engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
                               fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops,
-                              max_num_seqs=args.max_num_seqs)
+                              max_num_seqs=args.max_num_seqs, resident=not args.no_resident)
         engine.slots.admit_min_free = args.admit_min_free
         if engine.fallback_reason is not None:
             raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
@@ -235,6 +235,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-fused", action="store_true",
                         help="separate q/k/v and gate/up GEMMs (rollout.fused_projections false)")
+    parser.add_argument("--no-resident", action="store_true",
+                        help="a new cache and graphs in every call (rollout.resident false): the timed call captures")
     parser.add_argument("--profile", action="store_true", help="print a decode step's GPU time by kernel first")
     parser.add_argument("--kernels", nargs="+", default=["triton"], choices=list(KERNEL_VARIANTS),
                         help="decode kernels, one engine run each: torch (SDPA, sampling.py), attention (the Triton "

@@ -7,14 +7,16 @@ has. tests/test_rollout_cuda.py repeats the key checks with CUDA graphs and torc
 
 import copy
 import dataclasses
+import weakref
 
 import pytest
 import torch
 from test_rollout_native import PAD, PROMPTS, VOCAB, responses, teacher_forced_logprobs, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from rollout import slots
-from rollout.decoder import read_weights
+from rollout.decoder import LayerWeights, fill_weights, own_weights, read_weights
 from rollout.native import NativeEngine, SamplingParams
 from rollout.sampling import gumbel_noise, sample_with_noise
 
@@ -45,6 +47,39 @@ def test_reads_the_parameters_in_place(model):
     params = {p.data_ptr() for p in model.parameters()}
     assert weights.embed.data_ptr() in params and weights.lm_head.data_ptr() in params
     assert all(t.data_ptr() in params for layer in weights.layers for t in layer if t is not None)
+
+
+class CopiedTensors(TorchDispatchMode):
+    """Records the destinations of every copy op dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.destinations = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.startswith(("_foreach_copy", "copy_")):
+            self.destinations += list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("copy_all", [False, True])
+def test_kept_weights_copy_only_what_is_not_the_parameters_themselves(model, copy_all):
+    # A resident engine's buffers for a plain model: the stacked q/k/v and gate/up are its own and refilled every
+    # call; the other fields are the parameters themselves, read anew each call, and must not be copied onto
+    # themselves. Under FSDP2 (copy_all) every field is a buffer of its own.
+    kept = own_weights(read_weights(model), fuse=True, copy_all=copy_all)
+    with CopiedTensors() as copies:
+        fill_weights(kept, read_weights(model))
+    stacked = {"q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up", "gate_bias", "up_bias"}
+    fields = [(name, t) for block in read_weights(model).layers for name, t in zip(LayerWeights._fields[:16], block)
+              if t is not None and (copy_all or name in stacked)]
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    expected = len(fields) + (2 + (not tied) if copy_all else 0)  # embed, norm, lm_head
+    assert len(copies.destinations) == expected
+    weights = read_weights(model, fuse=True)
+    for got, want in zip(kept.layers, weights.layers):
+        assert torch.equal(got.qkv, want.qkv) and torch.equal(got.gate_up, want.gate_up)
+        assert torch.equal(got.down, want.down) and (got.down.data_ptr() == want.down.data_ptr()) != copy_all
 
 
 def test_slot_reuse_and_compaction_match_the_hf_forward_path(model):
@@ -210,8 +245,10 @@ def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model)
     assert kept.stats["new_run"] == 0
     for prompts, changed in ((short, dataclasses.replace(params, temperature=0.5)),
                              (short, dataclasses.replace(params, n=1)), ([p * 3 for p in PROMPTS], params)):
+        old_cache = weakref.ref(kept.slots._run.k[0])
         out = kept.generate(prompts, changed, seed())
         assert kept.stats["new_run"] == 1
+        assert old_cache() is None  # the replaced run's memory is released, not held beside the new one
         assert torch.equal(out.response_ids, fresh.generate(prompts, changed, seed()).response_ids)
 
 
