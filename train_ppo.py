@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -74,9 +75,13 @@ def rollout_batch(out: RolloutOutput, prompt_index: list[int], device: torch.dev
     width = int((p_len + r_len).max()) if n else 1
     ids = torch.zeros((n, width), dtype=torch.long)
     resp = out.response_ids.cpu()
-    for i, prompt in enumerate(out.prompt_ids):
-        ids[i, : p_len[i]] = torch.tensor(prompt)
-        ids[i, p_len[i] : p_len[i] + r_len[i]] = resp[i, : r_len[i]]
+    # one scatter for all the prompts and one for all the responses (a loop over rows costs ~50 us a row)
+    rows = torch.repeat_interleave(torch.arange(n), p_len)
+    starts = torch.repeat_interleave(p_len.cumsum(0) - p_len, p_len)
+    ids[rows, torch.arange(len(rows)) - starts] = torch.tensor(list(itertools.chain.from_iterable(out.prompt_ids)),
+                                                               dtype=torch.long)
+    rows, cols = (torch.arange(resp.shape[1])[None, :] < r_len[:, None]).nonzero(as_tuple=True)
+    ids[rows, p_len[rows] + cols] = resp[rows, cols]
     batch = {
         "input_ids": ids, "prompt_len": p_len, "response_len": r_len, "response_ids": resp,
         "response_mask": out.response_mask.float().cpu(), "rollout_logprobs": out.logprobs.float().cpu(),

@@ -273,3 +273,30 @@ def test_estimators_and_filters_run(assets, tmp_path, algorithm):
         assert last["guard/lr_scale"] == pytest.approx(0.9**2), rows
     if algorithm["kl"].get("controller") == "adaptive":
         assert rows[1]["actor/kl_coef"] != rows[3]["actor/kl_coef"]
+
+
+def test_rollout_batch_lays_out_prompt_and_response_per_row():
+    """train_ppo.rollout_batch against a row-by-row layout: ragged prompts, responses of every length up to the
+    padded width (one of them empty), each row prompt + response, right-padded with zeros."""
+    import torch
+
+    from rollout.native import RolloutOutput
+    from train_ppo import rollout_batch
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 9, (7,), generator=gen).tolist()
+    prompts = [torch.randint(1, 50, (k,), generator=gen).tolist() for k in lengths]
+    r_len = torch.tensor([5, 0, 3, 5, 1, 4, 2])
+    mask = (torch.arange(5)[None, :] < r_len[:, None]).long()
+    response = torch.randint(1, 50, (7, 5), generator=gen) * mask
+    out = RolloutOutput(prompts, response, mask, torch.randn(7, 5, generator=gen) * mask)
+    batch = rollout_batch(out, [3, 3, 1, 1, 0, 0, 2], torch.device("cpu"))
+    width = max(len(p) + int(r) for p, r in zip(prompts, r_len))
+    assert batch["input_ids"].shape == (7, width)
+    for i, (prompt, r) in enumerate(zip(prompts, r_len.tolist())):
+        row = prompt + response[i, :r].tolist()
+        assert batch["input_ids"][i].tolist() == row + [0] * (width - len(row))
+    assert batch["prompt_len"].tolist() == [len(p) for p in prompts]
+    assert batch["response_len"].tolist() == r_len.tolist()
+    assert batch["prompt_index"].tolist() == [3, 3, 1, 1, 0, 0, 2]
+    assert torch.equal(batch["rollout_logprobs"], out.logprobs)
