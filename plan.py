@@ -56,10 +56,12 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
   16) between rollouts, and every other phase holds them too. On the actor's pool (FSDP2) its weight buffers are a
   copy of the whole local model in param_dtype (in the fused copies' place), the gathered model is freed before
   the decoding, and the budget above leaves room for the next rollout's gathering beside the cache: the rollout's
-  peak is copy + cache + the larger of (gathered model + graphs' pool) and the transient. A replica keeps its fused
-  copies, cache and graphs. A cache that rollout.gpu_memory_utilization cuts short is not kept (it would hold the
-  share through training). vLLM: rollout.gpu_memory_utilization x GPU on top of the training state; it sleeps
-  between rollouts, so the other phases count none of it.
+  peak is copy + the larger of (kept cache + graphs' pool + gathered model) and (cache + transient). A replica
+  keeps its fused copies, cache and graphs. The engine does not keep a cache that rollout.gpu_memory_utilization
+  cuts short, but a first rollout (before the optimizer's state exists) may keep one that later ones would cut: a
+  cache sized from the share counts as kept at its uncut size, slots = min(max_num_seqs, a rank's sequences).
+  vLLM: rollout.gpu_memory_utilization x GPU on top of the training state; it sleeps between rollouts, so the
+  other phases count none of it.
 A rank's peak is its largest phase: the resident state (every hosted role's parameters and optimizer state) plus
 what the phase adds: `rollout` the engine; `<role> update` gradients, working set and activations; `<role> forward`
 working set and forward activations. Not counted (leave a few GiB): the CUDA context, NCCL buffers, allocator
@@ -340,9 +342,8 @@ class EnginePlan:
 
     @property
     def total(self) -> int:
-        if self.frees_gathered:  # the copy and a kept cache are there when the next rollout gathers the model
-            graphs = max(self.kept - self.fused - self.kv, 0)  # the kept decode graphs' pool
-            return self.fused + self.kv + max(self.weights + graphs, self.work)
+        if self.frees_gathered:  # the copy, a kept cache and graphs' pool are there when the next rollout gathers
+            return self.fused + max(self.kept - self.fused + self.weights, self.kv + self.work)
         return self.weights + self.fused + self.work + self.kv
 
 
@@ -389,12 +390,10 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     rows = r.max_num_seqs if compact else seqs
     work = prefill_tokens * (6 * h + 3 * i + 2 * (q + 2 * k)) * b + rows * m.vocab * 16
     budget = r.kv_cache_tokens if compact else None
-    by_share = False  # the GPU share cut the slots: such a cache is not kept between rollouts (the engine's rule)
     if compact and budget is None and cfg.run.device != "cpu":
         # the engine's rule: with its own copy, room for the next gathering (or the transients) beside the cache
         held = fused + max(weights, work) if copy else weights + fused + work
         budget = (int(r.gpu_memory_utilization * gpu) - resident - held) // per_token
-        by_share = max(budget, 0) // slot_len < min(r.max_num_seqs, seqs)
     slots = min(r.max_num_seqs, seqs) if compact else seqs
     error = None
     if budget is not None:
@@ -406,10 +405,13 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     kv = slots * slot_len * per_token
     kept = 0
     if compact and r.resident:
-        # the weight buffers, the cache unless the share cut it, and the decode graphs' pool (the step's logits
-        # and sampling temporaries, as in work)
-        graphs = slots * m.vocab * 16 if r.cuda_graphs and cfg.run.device != "cpu" else 0
-        kept = fused + (0 if by_share else kv + graphs)
+        # the weight buffers, the cache and the decode graphs' pool (the step's logits and sampling temporaries, as
+        # in work). The engine keeps a cache the share did not cut, sized by the call's sequences and the memory
+        # free then: a first rollout, before the optimizer's state exists, may keep one that later ones would cut.
+        # So a cache sized from the share counts here uncut (an upper bound), kv_cache_tokens' as it is.
+        kept_slots = slots if r.kv_cache_tokens is not None else min(r.max_num_seqs, seqs)
+        graphs = kept_slots * m.vocab * 16 if r.cuda_graphs and cfg.run.device != "cpu" else 0
+        kept = fused + kept_slots * slot_len * per_token + graphs
     return EnginePlan("native" if compact else "native-hf", weights, fused, work, kv, slots, slot_len, error,
                       (slot_len - budget) * per_token if error else 0, kept, copy)
 
@@ -811,7 +813,7 @@ def describe(cfg: C.Config, plan: Plan, fixes: dict[int, list[Fix]], gpu_source:
                          f"{_gib(e.weights)} + KV cache and activations {_gib(e.kv)}")
         elif e is not None:
             copies = "the engine's copy" if e.frees_gathered else "fused projections"
-            total = (f"copy + KV cache + max(gathered + graphs' pool, transient) = {_gib(e.total)}"
+            total = (f"copy + max(kept cache and graphs' pool + gathered, KV cache + transient) = {_gib(e.total)}"
                      if e.frees_gathered else f"= {_gib(e.total)}")
             lines.append(f"  rollout ({e.kind}): gathered model {_gib(e.weights)}, {copies} {_gib(e.fused)}, "
                          f"transient {_gib(e.work)}, KV cache {_gib(e.kv)} ({e.slots} slots x {e.slot_len} tokens): "

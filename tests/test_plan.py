@@ -345,13 +345,19 @@ def test_a_resident_engine_holds_its_copy_and_cache_in_every_phase(tmp_path, mon
             assert kept["phases"][phase] == held + whole + kv + graphs, phase
     state = plain["phases"]["rollout"] - (p["weights"] + p["fused"] + p["work"] + p["kv"])
     assert kept["phases"]["rollout"] == state + whole + kv + max(whole + graphs, e["work"])
-    # A cache the GPU share cuts short (here fewer slots than the 128 sequences) fills that share: the engine does
-    # not keep it, nor does the plan.
+    # A cache the GPU share cuts short (here fewer slots than the 128 sequences) is not kept by the engine, but a
+    # first rollout, before the optimizer's state exists, may keep it uncut: the plan counts the uncut cache as kept.
     cfg = C.load_config(config, ["rollout.max_new_tokens=100"])
+    uncut = whole + 128 * 120 * (2 * 2 * 2 * 16 * 4) + 128 * 32000 * 16  # slots of 16 + 100 tokens rounded to 120
     for gib, cut in ((0.52, True), (0.6, False)):
         e = P.make_plan(cfg, 1, int(gib * P.GiB)).pools[0].engine
         assert e.error is None and (e.slots < 128) == cut, (gib, e)
-        assert e.kept == whole + (0 if cut else e.kv + e.slots * 32000 * 16)
+        assert e.kept == uncut
+        assert e.total == whole + max(uncut, e.kv + e.work)  # copy + (kept + gathered, or cache + transient)
+    # kv_cache_tokens sizes the cache the engine keeps: 40 slots of 120 tokens
+    e = P.make_plan(C.load_config(config, ["rollout.max_new_tokens=100", "rollout.kv_cache_tokens=4800"]), 1,
+                    int(0.6 * P.GiB)).pools[0].engine
+    assert e.slots == 40 and e.kept == whole + e.kv + 40 * 32000 * 16
 
 
 def test_world_from_torchrun_environment(tmp_path, monkeypatch, capsys):

@@ -288,7 +288,7 @@ def test_rollout_batch_lays_out_prompt_and_response_per_row():
     prompts = [torch.randint(1, 50, (k,), generator=gen).tolist() for k in lengths]
     r_len = torch.tensor([5, 0, 3, 5, 1, 4, 2])
     mask = (torch.arange(5)[None, :] < r_len[:, None]).long()
-    response = torch.randint(1, 50, (7, 5), generator=gen) * mask
+    response = torch.randint(1, 50, (7, 5), generator=gen).masked_fill(mask == 0, 63)  # the engine's pad id, say
     out = RolloutOutput(prompts, response, mask, torch.randn(7, 5, generator=gen) * mask)
     batch = rollout_batch(out, [3, 3, 1, 1, 0, 0, 2], torch.device("cpu"))
     width = max(len(p) + int(r) for p, r in zip(prompts, r_len))
@@ -300,3 +300,6 @@ def test_rollout_batch_lays_out_prompt_and_response_per_row():
     assert batch["response_len"].tolist() == r_len.tolist()
     assert batch["prompt_index"].tolist() == [3, 3, 1, 1, 0, 0, 2]
     assert torch.equal(batch["rollout_logprobs"], out.logprobs)
+    empty = torch.empty((0, 0), dtype=torch.long)  # a rank without prompts (the engines' empty output)
+    none = rollout_batch(RolloutOutput([], empty, empty.clone(), empty.float()), [], torch.device("cpu"))
+    assert none["input_ids"].shape == (0, 1) and none["response_len"].shape == (0,)

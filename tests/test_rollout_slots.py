@@ -68,8 +68,9 @@ def test_kept_weights_copy_only_what_is_not_the_parameters_themselves(model, cop
     # call; the other fields are the parameters themselves, read anew each call, and must not be copied onto
     # themselves. Under FSDP2 (copy_all) every field is a buffer of its own.
     kept = own_weights(read_weights(model), fuse=True, copy_all=copy_all)
+    views = read_weights(model)
     with CopiedTensors() as copies:
-        fill_weights(kept, read_weights(model))
+        fill_weights(kept, views)
     stacked = {"q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up", "gate_bias", "up_bias"}
     fields = [(name, t) for block in read_weights(model).layers for name, t in zip(LayerWeights._fields[:16], block)
               if t is not None and (copy_all or name in stacked)]
@@ -216,7 +217,7 @@ def test_admission_waits_for_enough_free_slots():
     assert torch.equal(outputs[0].response_ids, outputs[1].response_ids)
 
 
-def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model):
+def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model, monkeypatch):
     # A resident engine keeps its cache, graphs and stacked weights between calls; each call refills the weights.
     # After the parameters change in place (an optimizer step), the next call of the same shapes reuses the run and
     # gives what a fresh engine gives on the changed model, not what it gave before.
@@ -243,13 +244,22 @@ def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model)
     assert torch.equal(kept.generate(short, params, seed()).response_ids,
                        fresh.generate(short, params, seed()).response_ids)
     assert kept.stats["new_run"] == 0
+    # The replaced run's memory is released before the new run is allocated (and sized), not held beside it.
+    alive_at_new_run = []
+
+    class Run(slots._Run):
+        def __init__(self, *args):
+            alive_at_new_run.append(old_cache() is not None)
+            super().__init__(*args)
+
+    monkeypatch.setattr(slots, "_Run", Run)
     for prompts, changed in ((short, dataclasses.replace(params, temperature=0.5)),
                              (short, dataclasses.replace(params, n=1)), ([p * 3 for p in PROMPTS], params)):
         old_cache = weakref.ref(kept.slots._run.k[0])
         out = kept.generate(prompts, changed, seed())
         assert kept.stats["new_run"] == 1
-        assert old_cache() is None  # the replaced run's memory is released, not held beside the new one
         assert torch.equal(out.response_ids, fresh.generate(prompts, changed, seed()).response_ids)
+    assert alive_at_new_run == [False] * 6  # three new runs of each engine
 
 
 def test_gumbel_sampling_follows_the_truncated_distribution():
