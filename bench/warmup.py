@@ -11,7 +11,9 @@ Variants (each in its own process, so each pays its own compile):
   new attention shape);
 - dynamic: the decode pieces compiled with dynamic=True (one compile with symbolic shapes instead of one per shape,
   then a recompile when dynamo sees a second shape);
-- no-compile: CUDA graphs of the eager decode step.
+- no-compile: CUDA graphs of the eager decode step;
+- eager-prefill: the default with the prefill's blocks left eager (slots.COMPILE_PREFILL off): less to compile in
+  the first rollout, a prefill of more launches in every rollout (see the prefill seconds per call).
 Lengths: fixed (every response 256 tokens) or varying (stop ids drawn so the mean is ~100, as bench/ppo_step.py).
 Each process gets empty Inductor and Triton caches (a machine's first run; --warm-cache shares the machine's).
 Prints seconds per call, dynamo's compile time and its recompiles, and a markdown table.
@@ -30,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("default", "cudnn", "dynamic", "no-compile")
+VARIANTS = ("default", "cudnn", "dynamic", "no-compile", "eager-prefill")
 
 
 def one_variant(model_name: str, variant: str, lengths: str, calls: int) -> dict:
@@ -47,6 +49,8 @@ def one_variant(model_name: str, variant: str, lengths: str, calls: int) -> dict
         api.ATTENTION_BACKENDS.insert(0, SDPBackend.CUDNN_ATTENTION)
     if variant == "dynamic":
         slots.COMPILE_DYNAMIC = True
+    if variant == "eager-prefill":
+        slots.COMPILE_PREFILL = False
     model = build_model(model_name, torch.device("cuda"))
     engine = NativeEngine(model, pad_token_id=0, compile=variant != "no-compile")
     vocab = model.config.vocab_size
@@ -57,7 +61,7 @@ def one_variant(model_name: str, variant: str, lengths: str, calls: int) -> dict
         from ppo_step import stop_ids
 
         stops = stop_ids(vocab)
-    seconds, counts = [], []
+    seconds, counts, prefill_s = [], [], []
     for call in range(calls):
         prompts = torch.randint(2, vocab, (8, 128), generator=gen).tolist()
         params = SamplingParams(n=8, max_new_tokens=256, temperature=1.0, stop_token_ids=tuple(stops))
@@ -67,9 +71,10 @@ def one_variant(model_name: str, variant: str, lengths: str, calls: int) -> dict
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         counts.append(int(out.response_mask.sum()))
+        prefill_s.append(engine.stats.get("prefill_s"))
     from torch._dynamo.utils import counters
 
-    return {"variant": variant, "lengths": lengths, "calls_s": seconds, "tokens": counts,
+    return {"variant": variant, "lengths": lengths, "calls_s": seconds, "tokens": counts, "prefill_s": prefill_s,
             "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else None,
             "frames": dict(counters["frames"]), "total_s": time.perf_counter() - began,
             "compile_times": torch._dynamo.utils.compile_times(repr="str")}
@@ -101,8 +106,9 @@ def main() -> None:
                 print(f"{variant} {lengths}: exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
                 continue
             r = json.loads(line[0][7:])
-            print(f"== {variant} {lengths}: calls {[round(s, 2) for s in r['calls_s']]} s, tokens {r['tokens']}, "
-                  f"recompiles {r['recompiles']}\n{r['compile_times']}", flush=True)
+            print(f"== {variant} {lengths}: calls {[round(s, 2) for s in r['calls_s']]} s, prefill "
+                  f"{[round(s, 4) for s in r['prefill_s']]} s, tokens {r['tokens']}, recompiles {r['recompiles']}\n"
+                  f"{r['compile_times']}", flush=True)
             rows.append(r)
     print("| lengths | variant | call 1 s | call 2 s | call 3 s | later calls s | dynamo recompiles |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

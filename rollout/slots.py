@@ -56,6 +56,9 @@ SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte
 DECODE_KERNELS = ("auto", "triton", "torch")
 KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
 COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
+# compile the prefill's blocks too: its compile is ~12 s of a cold first rollout at 0.5B on an H200, for a prefill that
+# runs once per rollout (bench/warmup.py's eager-prefill variant measures both sides)
+COMPILE_PREFILL = True
 # Dynamo counts compiled variants per code object over the whole process, and under fullgraph=True the one past its
 # recompile limit (default 8) is an error, not a fallback. Every engine of a process and every setting that is a
 # Python constant in these pieces (temperature, top-k/top-p, prefill vs decode, stop tokens, the kernels) adds
@@ -327,9 +330,8 @@ class SlotEngine:
         clock = DeviceClock(device)
         use_graphs = self.cuda_graphs and device.type == "cuda"
         compiled = self.compile and device.type == "cuda" and self.tp_group is None
-        layer, prefill, inputs, sample = (
-            self._fn(f, compiled) for f in (decode_layer, prefill_layer, decode_inputs, sample_and_record)
-        )
+        layer, inputs, sample = (self._fn(f, compiled) for f in (decode_layer, decode_inputs, sample_and_record))
+        prefill = self._fn(prefill_layer, compiled and COMPILE_PREFILL)
         reduce = broadcast = None
         if self.tp_group is not None:
             reduce = partial(_all_reduce, group=self.tp_group)
