@@ -337,7 +337,7 @@ class EnginePlan:
     slot_len: int
     error: str | None = None  # why the rollout cannot start
     missing: int = 0  # and the bytes it lacks
-    kept: int = 0  # held between rollouts (rollout.resident): the engine's weight buffers and the KV cache
+    kept: int = 0  # held between rollouts (rollout.resident): the weight buffers, the KV cache, the graphs' pool
     frees_gathered: bool = False  # the gathered model is freed before the decoding (the engine holds a copy)
 
     @property
