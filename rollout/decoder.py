@@ -62,14 +62,6 @@ class LayerWeights(NamedTuple):
     gate_up_bias: torch.Tensor | None = None
 
 
-def _fused(block: LayerWeights) -> LayerWeights:
-    def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
-        return None if parts[0] is None else torch.cat(parts)
-
-    return block._replace(qkv=cat(block.q, block.k, block.v), qkv_bias=cat(block.q_bias, block.k_bias, block.v_bias),
-                          gate_up=cat(block.gate, block.up), gate_up_bias=cat(block.gate_bias, block.up_bias))
-
-
 @dataclass
 class DecoderWeights:
     """A model's parameters as the forward reads them: views (read_weights; valid while the parameters stay where
@@ -169,10 +161,8 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
             f"{heads} query heads and {kv_heads} key/value heads on this rank (of {config.num_attention_heads} and "
             f"{config.num_key_value_heads}): tensor parallelism must split both into whole, matching groups"
         )
-    if fuse:
-        layers = [_fused(block) for block in layers]
     rotary = backbone.rotary_emb
-    return DecoderWeights(
+    weights = DecoderWeights(
         embed=_local(backbone.embed_tokens.weight),
         layers=layers,
         norm=_local(backbone.norm.weight),
@@ -184,6 +174,11 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
         kv_heads=kv_heads,
         row_parallel=heads < config.num_attention_heads,
     )
+    if not fuse:
+        return weights
+    stacked = own_weights(weights, fuse=True, copy_all=False)  # q/k/v and gate/up stacked, the rest these views
+    fill_weights(stacked, weights)
+    return stacked
 
 
 SEPARATE_FIELDS = LayerWeights._fields[:16]  # a block's own parameters; the rest are the fused stacks

@@ -363,13 +363,14 @@ class SlotEngine:
         admit_min_free = self.admit_min_free or max(1, run.slots // ADMIT_SHARE)
         while True:
             free = [s for s, seq in enumerate(run.slot_seq) if seq is None]
+            occupied = run.occupied()
             # With sequences still decoding, admission waits for admit_min_free free slots (or room for all that
             # wait): a prefill of a few prompts costs several times their share of a large one.
-            if waiting and free and (len(free) >= min(admit_min_free, len(waiting)) or not run.occupied()):
+            if waiting and free and (len(free) >= min(admit_min_free, len(waiting)) or not occupied):
                 admitted = [(waiting.popleft(), slot) for slot in free[: len(waiting)]]
                 with clock("prefill_s"):
                     self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows)
-            occupied = run.occupied()
+                occupied = run.occupied()
             if not occupied:
                 break
             batch = _batch_bucket(max(occupied) + 1, run.slots)
@@ -454,8 +455,6 @@ class SlotEngine:
             # a resident engine with its own copy of a sharded model holds it while the next rollout gathers the
             # model again: that gathering needs room beside the cache, as the decoding's transients do
             budget = int(available - max(self._activation_bytes(w), self._gathered_bytes)) // bytes_per_token
-            if budget >= slot_len:
-                return min(wanted, budget // slot_len), budget // slot_len < wanted
         if budget is None:
             return wanted, False
         if budget < slot_len:
@@ -465,7 +464,8 @@ class SlotEngine:
                 f"tokens (longest prompt + max_new_tokens; a slot takes {slot_len}): raise {source} or shorten the "
                 "prompts or max_new_tokens"
             )
-        return min(wanted, budget // slot_len), False
+        slots = min(wanted, budget // slot_len)
+        return slots, self.kv_cache_tokens is None and slots < wanted
 
     def _activation_bytes(self, w: DecoderWeights) -> int:
         """A rough bound on the transient memory of a prefill forward and a decode step, kept out of the KV cache."""
