@@ -307,21 +307,22 @@ def decode_layer(
     sum fuses with the norm under torch.compile; the first block gets the embeddings and zeros).
     k_cache, v_cache: [S, kv_heads, T_max, D], this block's cache; the new key/value of slot b is written at pos[b].
     pos: [B] long. cos, sin: [B, D]. mask: [B, 1, 1, T] bool, True on the cached positions slot b may attend to
-    (T <= T_max: SDPA reads only the first T positions of each slot); None: attention by rollout/kernels.py's
-    decode_attention, which reads positions 0..pos[b] of slot b (length: the context bucket, required then).
+    (T <= T_max: SDPA reads only the first T positions of each slot); None: rotary embedding, cache write and
+    attention by rollout/kernels.py's decode_attention, which reads positions 0..pos[b] of slot b (length: the
+    context bucket, required then).
     Returns (block output, residual), [B, hidden] each.
     """
     residual = hidden + residual
     x = rms_norm(residual, w.input_norm, eps)
     batch = x.shape[0]
     q, k, v = (t.view(batch, -1, head_dim) for t in _qkv(x, w))
-    q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-    rows = torch.arange(batch, device=x.device)
-    k_cache[rows, :, pos] = k
-    v_cache[rows, :, pos] = v
-    if mask is None:
-        out = decode_attention(q, k_cache, v_cache, pos, length)
+    if mask is None:  # the kernel rotates q and k and writes k and v into the cache itself
+        out = decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, length)
     else:
+        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        rows = torch.arange(batch, device=x.device)
+        k_cache[rows, :, pos] = k
+        v_cache[rows, :, pos] = v
         # Grouped-query attention for one position: the query heads sharing a key/value head become that head's
         # "query positions", so SDPA reads each cached key/value head once and needs no repeat.
         kv_heads, length = k.shape[1], mask.shape[-1]

@@ -2,14 +2,18 @@
 
 decode_attention: one new query token per slot against that slot's KV cache, grouped-query heads unfolded (each
 program reads a key/value head once for all the query heads sharing it) and only the live positions 0..pos[b] read,
-split over the positions ("flash decoding") so that a small batch still fills the GPU; a second small kernel merges
-the splits. SDPA, the fallback, needs the query heads folded into a query length and a [B, 1, 1, T] mask, and reads
-the whole context bucket of every slot.
+split over the positions ("flash decoding") so that a small batch still fills the GPU; the last split to finish (or
+a second small kernel) merges the splits. It also applies the rotary embedding to the new query and key and writes
+the new key and value into the cache: two fewer kernels per layer than doing that beside it. SDPA, the fallback,
+needs the query heads folded into a query length and a [B, 1, 1, T] mask, and reads the whole context bucket of
+every slot.
 
 sample_tokens: the next token of every row by Gumbel-max with rollout/sampling.py's counter-based noise, and its
 log-prob, in one pass over the [R, V] logits as they come from the LM head (bfloat16): each program takes a chunk of
 a row's vocabulary and keeps the running max and sum of exponentials (the log-softmax normaliser) and the best noisy
-score with its token; a second small kernel merges the chunks. The PyTorch form of the same draw
+score with its token; a second small kernel merges the chunks. Its noise's logarithms run on the GPU's
+approximate log2 where that stays within a few float32 steps of the exact noise (_gumbel). The PyTorch form of the
+same draw
 (sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate passes. No
 top-k / top-p: with those the engine keeps the PyTorch form.
 
@@ -80,8 +84,8 @@ if triton is not None:
 
     @triton.jit
     def _attend_split(
-        Q, K, V, POS, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
-        stride_qb, stride_qh,
+        Q, K_NEW, V_NEW, COS, SIN, K, V, POS, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
+        stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         stride_ks, stride_kh, stride_kt,
         stride_vs, stride_vh, stride_vt,
         stride_ob, stride_oh,
@@ -90,28 +94,40 @@ if triton is not None:
         ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        """Program (b, kv head, split): the GROUP query heads of that kv head over positions [split * split_len,
-        min(split * split_len + split_len, pos[b] + 1)) of slot b. One split: writes the normalised output; else the
-        running max, the sum of exponentials and the unnormalised output of its positions, and with MERGE the last
-        program of (b, kv head) to finish merges the splits into the output (a counter per (b, kv head) in COUNTERS,
-        zero before and after). IEEE: float32 products (no TF32); UPCAST: float32 products for 16-bit inputs (the
-        interpreter's tl.dot does not take bfloat16)."""
+        """Program (b, kv head, split): the GROUP query heads of that kv head, rotated, over positions [split *
+        split_len, min(split * split_len + split_len, pos[b] + 1)) of slot b, position pos[b] being the new key and
+        value: the program whose split holds pos[b] (the last one when none does) rotates the new key, writes it and
+        the new value into the cache at pos[b] and attends to them from registers; the others read positions
+        before pos[b] only, so no program reads what another writes. One split: writes the normalised output; else
+        the running max, the sum of exponentials and the unnormalised output of its positions, and with MERGE the
+        last program of (b, kv head) to finish merges the splits into the output (a counter per (b, kv head) in
+        COUNTERS, zero before and after). IEEE: float32 products (no TF32); UPCAST: float32 products for 16-bit
+        inputs (the interpreter's tl.dot does not take bfloat16)."""
         b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2^31 elements
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        end_all = tl.load(POS + b) + 1
+        pos = tl.load(POS + b)
         g = tl.arange(0, GROUP_ROWS)
         d = tl.arange(0, HEAD_DIM)
         head = kvh * GROUP + g
         real = g < GROUP
-        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=real[:, None], other=0.0)
+        # rotary embedding in the rotate-half layout: x * cos + rotate_half(x) * sin, in float32, rounded once to the
+        # inputs' dtype (what the compiled PyTorch form computes)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+        cos = tl.load(COS + b * stride_cb + d).to(tl.float32)
+        sin = tl.load(SIN + b * stride_cb + d).to(tl.float32)
+        q_rows = Q + b * stride_qb + head[:, None] * stride_qh
+        q = tl.load(q_rows + d[None, :], mask=real[:, None], other=0.0)
+        q_partner = tl.load(q_rows + partner[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_partner * sin[None, :]).to(q.dtype)
         if UPCAST:
             q = q.to(tl.float32)
         m = tl.full([GROUP_ROWS], float("-inf"), dtype=tl.float32)
         denom = tl.zeros([GROUP_ROWS], dtype=tl.float32)
         acc = tl.zeros([GROUP_ROWS, HEAD_DIM], dtype=tl.float32)
         start = split * split_len
-        end = tl.minimum(start + split_len, end_all)
+        end = tl.minimum(start + split_len, pos)  # cached positions only: the new one comes from registers
         k_base = K + b * stride_ks + kvh * stride_kh
         v_base = V + b * stride_vs + kvh * stride_vh
         for t0 in range(start, end, BLOCK):
@@ -138,6 +154,23 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
+        if split == tl.minimum(pos // split_len, splits - 1):
+            k_new = K_NEW + b * stride_knb + kvh * stride_knh
+            key = tl.load(k_new + d).to(tl.float32)
+            key = key * cos + sign * tl.load(k_new + partner).to(tl.float32) * sin
+            key = key.to(K.dtype.element_ty)
+            value = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + d).to(V.dtype.element_ty)
+            tl.store(k_base + pos * stride_kt + d, key)
+            tl.store(v_base + pos * stride_vt + d, value)
+            if pos < start + split_len:  # else a slot past the context bound: the new position is not attended
+                s = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1) * scale
+                m_new = tl.maximum(m, s)
+                p = tl.exp(s - m_new)
+                alpha = tl.exp(m - m_new)
+                denom = denom * alpha + p
+                # p rounded to the values' dtype, as in the tiles' p v
+                acc = acc * alpha[:, None] + p.to(value.dtype).to(tl.float32)[:, None] * value.to(tl.float32)[None, :]
+                m = m_new
         if ONE_SPLIT:
             out = acc / denom[:, None]
             tl.store(OUT + b * stride_ob + head[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
@@ -201,10 +234,43 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _log(x, ASM: tl.constexpr):
+        """Natural log of float32 x > 0 by the GPU's lg2.approx (an absolute error of ~2^-22 in log2 of the
+        mantissa: relative 2^-22 where |log x| >= ln 2, absolute 2^-22 near 1); tl.log (libdevice's exact logf,
+        several times the instructions) under the interpreter, which runs no PTX."""
+        if ASM:
+            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                             pack=1) * 0.6931471805599453
+        else:
+            return tl.log(x)
+
+    @triton.jit
+    def _gumbel(uniform, ASM: tl.constexpr):
+        """-log(-log(u)) for u in (0, 1) on the grid of sampling.gumbel_noise, within ~2^-22 of the exact float32
+        form. E = -log(u) needs a relative error that small (the noise's largest values come from u near 1,
+        where lg2.approx's absolute error would be most of E): for u >= 1/2, with w = 1 - u (exact),
+        -log(1 - w) = 2 atanh(z) with z = w / (2 - w) <= 1/3, eight terms of its series (truncation < 2e-8
+        relative); for u < 1/2, -log(u) >= ln 2 and lg2.approx is accurate. The outer log needs an absolute error
+        of a score's rounding only."""
+        w = 1.0 - uniform
+        z = w / (2.0 - w)
+        z2 = z * z
+        series = 1.0 / 15.0
+        series = series * z2 + 1.0 / 13.0
+        series = series * z2 + 1.0 / 11.0
+        series = series * z2 + 1.0 / 9.0
+        series = series * z2 + 1.0 / 7.0
+        series = series * z2 + 1.0 / 5.0
+        series = series * z2 + 1.0 / 3.0
+        series = series * z2 + 1.0
+        exponential = tl.where(uniform < 0.5, -_log(uniform, ASM), 2.0 * z * series)
+        return -_log(exponential, ASM)
+
+    @triton.jit
     def _sample_chunk(
         LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART,
         stride_l, vocab, inv_temperature, chunk_len, chunks,
-        BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr,
+        BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
     ):
         """Program (row, chunk) over tokens [chunk * chunk_len, chunk * chunk_len + chunk_len): x = logits *
         inv_temperature;
@@ -237,7 +303,7 @@ if triton is not None:
             if NOISE:
                 bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
                 uniform = (((bits >> 9) & 0x7FFFFF).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-                score = x - tl.log(-tl.log(uniform))
+                score = x + _gumbel(uniform, ASM)
             if BAN:
                 stop = tl.load(STOP + v, mask=inside, other=0) != 0
                 score = tl.where(stop & row_banned, float("-inf"), score)
@@ -320,7 +386,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     _sample_chunk[(rows, chunks)](
         logits, seed, keys, steps, stop, banned, parts[0], parts[1], parts[2], token_part, parts[3],
         logits.stride(0), vocab, 1.0 / temperature if temperature > 0 else 1.0, chunk, chunks,
-        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban,
+        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, ASM=not INTERPRETED,
     )
     _merge_samples[(rows,)](parts[0], parts[1], parts[2], token_part, parts[3], tokens, logprobs, chunks,
                             CHUNK_ROWS=_next_power_of_two(chunks))
@@ -370,26 +436,39 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return have
 
 
-def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                          length: int, splits: int = 0, merge_in_kernel: bool = True) -> torch.Tensor:
-    """q: [B, H, D], the new token's queries of the first B slots; k_cache, v_cache: [S, KVH, T_max, D] (S >= B,
-    T_max >= length, the last dimension contiguous), this block's cache with the new keys/values already written at
-    pos; pos: [B] long, each slot's new position (< T_max). Softmax attention of q[b] over positions 0..pos[b] of
-    slot b, scale 1/sqrt(D), query head h reading key/value head h // (H / KVH). length (>= 1) sizes the splits:
-    positions from length rounded up to whole splits on are never read, so a slot with pos >= length (a finished
-    one still in the decode batch, whose output is unused) gets attention over a prefix only. splits: 0 picks the
-    count (split_count). merge_in_kernel: the last split of each (slot, kv head) merges them (merge_counters; up to
-    MERGE_IN_KERNEL_MAX_SPLITS splits), else a second kernel does. Returns [B, H, D] in q's dtype."""
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dimension is contiguous (a view of a fused projection's output is), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int,
+                          splits: int = 0, merge_in_kernel: bool = True) -> torch.Tensor:
+    """One decode step's attention, rotary embedding and cache write in one kernel.
+
+    q: [B, H, D], k, v: [B, KVH, D], the new token's projections in the first B slots, not yet rotated (views of a
+    fused projection's output are taken as they are); k_cache, v_cache: [S, KVH, T_max, D] (S >= B, T_max >= length,
+    the last dimension contiguous), this block's cache, positions 0..pos[b]-1 of slot b filled; pos: [B] long, each
+    slot's new position (< T_max); cos, sin: [B, D], the rotary tables at pos (rotate-half layout). Rotates q and k,
+    writes k and v into the caches at pos, and returns softmax attention of q[b] over positions 0..pos[b] of slot b,
+    scale 1/sqrt(D), query head h reading key/value head h // (H / KVH), [B, H, D] in q's dtype.
+    length (>= 1) sizes the splits: positions from length rounded up to whole splits on are never read, so a slot
+    with pos >= length (a finished one still in the decode batch, whose output is unused) gets attention over a
+    prefix only (its new key and value are still written). splits: 0 picks the count (split_count).
+    merge_in_kernel: the last split of each (slot, kv head) merges them (merge_counters; up to
+    MERGE_IN_KERNEL_MAX_SPLITS splits), else a second kernel does."""
     if length < 1:
         raise ValueError(f"length must be >= 1 (the context the attention may read), got {length}")
-    q = q.contiguous()
+    q, k, v, cos, sin = (_rows_contiguous(t) for t in (q, k, v, cos, sin))
+    if cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     if splits <= 0:
         splits = split_count(batch, kv_heads, length, _programs(q.device))
     split_len, splits = _whole_tiles(length, splits, BLOCK_T)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     counters = None
     if splits == 1:
@@ -401,8 +480,9 @@ def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(batch * heads * splits, head_dim, dtype=torch.float32, device=q.device)
     _attend_split[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, pos, out, m_part, l_part, acc_part, counters if counters is not None else pos,
-        q.stride(0), q.stride(1),
+        q, k, v, cos, sin, k_cache, v_cache, pos, out, m_part, l_part, acc_part,
+        counters if counters is not None else pos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
@@ -419,13 +499,14 @@ def decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-@torch.library.custom_op("meshrl::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     length: int) -> torch.Tensor:
-    """decode_attention_impl as an operator torch.compile keeps whole (its graphs call the kernels as they are)."""
-    return decode_attention_impl(q, k_cache, v_cache, pos, length)
+@torch.library.custom_op("meshrl::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int) -> torch.Tensor:
+    """decode_attention_impl as an operator torch.compile keeps whole (its graphs call the kernels as they are); it
+    writes the caches in place."""
+    return decode_attention_impl(q, k, v, k_cache, v_cache, pos, cos, sin, length)
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, pos, length):
-    return torch.empty_like(q)
+def _(q, k, v, k_cache, v_cache, pos, cos, sin, length):
+    return q.new_empty(q.shape)

@@ -31,6 +31,48 @@ def slow_attention(q, k_cache, v_cache, pos):
     return out
 
 
+def rotary(pos, dim, dtype):
+    """cos, sin [B, dim] at positions pos in the rotate-half layout (HF's tables, base 10000)."""
+    inv_freq = 10000.0 ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = pos.double()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x, cos, sin):
+    """x [B, heads, D] rotated by rows of cos, sin [B, D], element by element in float64: x_d cos_d - x_(d+D/2) sin_d
+    for the first half, x_d cos_d + x_(d-D/2) sin_d for the second."""
+    half = x.shape[-1] // 2
+    x, cos, sin = x.double(), cos.double()[:, None], sin.double()[:, None]
+    partner = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + partner * sin
+
+
+def new_token(shape, gen, dtype=torch.float32):
+    """Random q [B, H, D], new k, v [B, KVH, D], caches [S, KVH, T, D] with NaN from pos[b] on (the kernel must read
+    only positions before pos[b] from the cache), pos [B] with 0 and length - 1 among them, and the rotary rows."""
+    batch, heads, kv_heads, dim, slots, cache_len, length = shape
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(slots, kv_heads, cache_len, dim, generator=gen).to(dtype) for _ in range(2))
+    pos = torch.randint(0, length, (batch,), generator=gen)
+    pos[0], pos[-1] = 0, length - 1  # one position only; the whole bound
+    for b in range(batch):
+        k_cache[b, :, int(pos[b]):] = float("nan")
+        v_cache[b, :, int(pos[b]):] = float("nan")
+    return q, k, v, k_cache, v_cache, pos, *rotary(pos, dim, dtype)
+
+
+def expected_step(q, k, v, k_cache, v_cache, pos, cos, sin):
+    """(attention output [B, H, D] float64, k_cache, v_cache after the step): q and k rotated and rounded to their
+    dtype, k and v written at pos, softmax attention over positions 0..pos[b]."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    rows = torch.arange(q.shape[0])
+    k_cache[rows, :, pos] = rotate(k, cos, sin).to(k.dtype)
+    v_cache[rows, :, pos] = v
+    return slow_attention(rotate(q, cos, sin).to(q.dtype), k_cache, v_cache, pos), k_cache, v_cache
+
+
 # (batch, query heads, kv heads, head_dim, slots, cache length, context bound): Qwen2.5-0.5B's group of 7 (padded to
 # 16 rows), multi-head (group 1), head_dim 128, a bound that is not a multiple of the 64-position tile
 SHAPES = [(3, 14, 2, 64, 5, 300, 256), (4, 4, 4, 16, 4, 72, 70), (2, 12, 2, 128, 2, 200, 192)]
@@ -39,41 +81,75 @@ SHAPES = [(3, 14, 2, 64, 5, 300, 256), (4, 4, 4, 16, 4, 72, 70), (2, 12, 2, 128,
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("splits, merge_in_kernel", [(0, True), (1, True), (3, True), (3, False)])
 def test_decode_attention_matches_softmax_attention(shape, splits, merge_in_kernel):
-    """Against softmax(q k^T) v in float64; the splits merged by their last program (the counters are zero again
-    after) or by the second kernel."""
-    batch, heads, kv_heads, dim, slots, cache_len, length = shape
+    """Against rotary embedding, cache write and softmax(q k^T) v in float64; the splits merged by their last program
+    (the counters are zero again after) or by the second kernel. The caches hold the rotated new key and the new value
+    at pos afterwards and are unchanged elsewhere (the slots past the batch included)."""
     gen = torch.Generator().manual_seed(sum(shape) + splits)
-    q = torch.randn(batch, heads, dim, generator=gen)
-    k = torch.randn(slots, kv_heads, cache_len, dim, generator=gen)
-    v = torch.randn(slots, kv_heads, cache_len, dim, generator=gen)
-    pos = torch.randint(0, length, (batch,), generator=gen)
-    pos[0], pos[-1] = 0, length - 1  # one position only; the whole bound
-    expected = slow_attention(q, k, v, pos)
-    # Past pos the cache holds whatever an earlier sequence left (here NaN): the kernel must not read it.
-    for b in range(batch):
-        k[b, :, int(pos[b]) + 1:] = float("nan")
-        v[b, :, int(pos[b]) + 1:] = float("nan")
+    step = new_token(shape, gen)
+    expected, k_after, v_after = expected_step(*step)
+    q, k, v, k_cache, v_cache, pos, cos, sin = (t.to(DEVICE) for t in step)
     kernels._COUNTERS.clear()
-    got = kernels.decode_attention_impl(*(t.to(DEVICE) for t in (q, k, v, pos)), length, splits, merge_in_kernel)
+    got = kernels.decode_attention_impl(q, k, v, k_cache, v_cache, pos, cos, sin, shape[-1], splits, merge_in_kernel)
     if splits > 1:  # the counters exist exactly when the kernel merged, and it left them at zero
         assert (got.device in kernels._COUNTERS) == merge_in_kernel
         assert not merge_in_kernel or not kernels._COUNTERS[got.device].any()
     # float32 throughout (IEEE products): the differences are float32 rounding of sums of ~300 terms
     torch.testing.assert_close(got.double().cpu(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache.cpu(), k_after, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(v_cache.cpu(), v_after, atol=0, rtol=0, equal_nan=True)
+
+
+def test_decode_attention_takes_views_of_a_fused_projection():
+    """q, k, v as the decode step passes them: views of one [B, (H + 2 KVH) D] projection output (row stride past D),
+    with the same result as contiguous copies."""
+    shape = SHAPES[0]
+    batch, heads, kv_heads, dim = shape[:4]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, k_cache, v_cache, pos, cos, sin = new_token(shape, gen)
+    fused = torch.cat([t.reshape(batch, -1) for t in (q, k, v)], dim=1)
+    views = [t.view(batch, -1, dim) for t in fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)]
+    assert views[1].stride(0) == (heads + 2 * kv_heads) * dim
+    caches = [(k_cache.clone().to(DEVICE), v_cache.clone().to(DEVICE)) for _ in range(2)]
+    outs = [kernels.decode_attention_impl(*(t.to(DEVICE) for t in qkv), *cache, *(t.to(DEVICE) for t in (pos, cos, sin)),
+                                          shape[-1])
+            for qkv, cache in ((views, caches[0]), ((q, k, v), caches[1]))]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0].nan_to_num(), caches[1][0].nan_to_num())
+
+
+def test_compiled_decode_attention_writes_the_caches():
+    """Under torch.compile (AOT autograd functionalises the operator's cache writes, as Inductor sees them) the
+    caches passed in hold the new key and value afterwards, as in eager mode, and the outputs agree."""
+    shape = SHAPES[0]
+    step = [t.nan_to_num().to(DEVICE) for t in new_token(shape, torch.Generator().manual_seed(9))]
+
+    def layer_piece(q, k, v, k_cache, v_cache, pos, cos, sin):
+        return kernels.decode_attention(q * 2, k, v, k_cache, v_cache, pos, cos, sin, shape[-1]) + 1
+
+    torch._dynamo.reset()
+    eager_step = [t.clone() for t in step]
+    compiled_step = [t.clone() for t in step]
+    want = layer_piece(*eager_step)
+    got = torch.compile(layer_piece, fullgraph=True, backend="aot_eager")(*compiled_step)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert torch.equal(compiled_step[3], eager_step[3]) and torch.equal(compiled_step[4], eager_step[4])
+    assert not torch.equal(compiled_step[3], step[3])  # the new keys were written
 
 
 def test_decode_attention_in_bfloat16():
     """The engine's dtype: bfloat16 in and out, float32 inside. Outputs are weighted means of values of size ~1, so
-    the error bound is bfloat16's rounding of the output (2^-8 relative) plus the rounding of p before p v."""
-    batch, heads, kv_heads, dim, slots, cache_len, length = SHAPES[0]
+    the error bound is bfloat16's rounding of the output (2^-8 relative) plus the rounding of p before p v; the
+    rotated key in the cache is the float64 rotation rounded once to bfloat16 (ties aside: one bfloat16 step)."""
+    shape = SHAPES[0]
     gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(*s, generator=gen).bfloat16() for s in
-               ((batch, heads, dim), (slots, kv_heads, cache_len, dim), (slots, kv_heads, cache_len, dim)))
-    pos = torch.tensor([0, 100, length - 1])
-    got = kernels.decode_attention_impl(*(t.to(DEVICE) for t in (q, k, v, pos)), length, 2)
+    step = new_token(shape, gen, torch.bfloat16)
+    expected, k_after, _ = expected_step(*step)
+    q, k, v, k_cache, v_cache, pos, cos, sin = (t.to(DEVICE) for t in step)
+    got = kernels.decode_attention_impl(q, k, v, k_cache, v_cache, pos, cos, sin, shape[-1], 2)
     assert got.dtype == torch.bfloat16
-    expected = slow_attention(q, k, v, pos)
     torch.testing.assert_close(got.double().cpu(), expected, atol=2**-6, rtol=2**-7)
+    torch.testing.assert_close(k_cache.cpu().float(), k_after.float(), atol=2**-7, rtol=2**-7, equal_nan=True)
 
 
 def test_split_count():
@@ -178,6 +254,32 @@ def test_sample_tokens_draws_as_the_pytorch_form(temperature, chunks, ban):
             assert stop[tokens.cpu()][~banned_rows].all()
 
 
+if kernels.triton is not None:
+    tl = kernels.tl
+
+    @kernels.triton.jit
+    def _gumbel_of(U, OUT, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(OUT + i, kernels._gumbel(tl.load(U + i, mask=i < n, other=0.5), ASM), mask=i < n)
+
+
+def test_the_kernels_gumbel_noise_is_the_exact_one_within_a_few_ulp():
+    """The sampling kernel's -log(-log(u)) (series near u = 1, lg2.approx on a GPU) against float64 on the grid
+    sampling.gumbel_noise draws from: the 4096 points nearest 1 (the noise's largest values, where E = -log(u) is
+    tiny), the points around the series' switch at 1/2, the lowest and a random sample. Bound: E within ~2^-21
+    relative gives 2^-21 ~ 4.8e-7 in the noise, its float32 rounding at most 9.5e-7 (|noise| < 17), the outer log
+    1.1e-7: 2e-6."""
+    top = 2**23
+    bins = torch.cat([torch.arange(top - 4096, top), torch.arange(top // 2 - 2048, top // 2 + 2048),
+                      torch.arange(0, 2048), torch.randint(0, top, (1 << 16,), generator=torch.Generator().manual_seed(0))])
+    uniform = (bins.double() + 0.5) * 2.0**-23
+    out = torch.empty(len(bins), dtype=torch.float32, device=DEVICE)
+    _gumbel_of[(kernels._ceil_div(len(bins), 1024),)](uniform.float().to(DEVICE), out, len(bins), BLOCK=1024,
+                                                        ASM=not kernels.INTERPRETED)
+    exact = -torch.log(-torch.log(uniform))
+    torch.testing.assert_close(out.cpu().double(), exact, atol=2e-6, rtol=0)
+
+
 def test_sample_chunks():
     # 64 rows want 4 chunks for 256 programs; 151936 tokens are 75 tiles of 2048
     assert kernels.sample_chunks(64, 151936, 256) == 4
@@ -224,10 +326,8 @@ def test_greedy_ties_pick_the_first_token_as_argmax(chunks):
 def test_the_operators_pass_opcheck():
     """Schemas, fake (meta) implementations and autograd registration as torch.compile sees them."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 4, 16, generator=gen)
-    k, v = torch.randn(4, 2, 80, 16, generator=gen), torch.randn(4, 2, 80, 16, generator=gen)
-    pos = torch.tensor([0, 40, 79])
-    torch.library.opcheck(kernels.decode_attention, (*(t.to(DEVICE) for t in (q, k, v, pos)), 80))
+    step = new_token((3, 4, 2, 16, 4, 80, 80), gen)
+    torch.library.opcheck(kernels.decode_attention, (*(t.nan_to_num().to(DEVICE) for t in step), 80))
     logits = torch.randn(3, 300, generator=gen).to(DEVICE)
     seed, keys = torch.tensor([7], dtype=torch.int32).to(DEVICE), torch.arange(3).to(DEVICE)
     stop, banned = torch.zeros(300, dtype=torch.bool).to(DEVICE), torch.tensor([True, False, True]).to(DEVICE)
@@ -236,9 +336,9 @@ def test_the_operators_pass_opcheck():
 
 
 def test_decode_attention_needs_a_context_length():
-    q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 8, 16)
+    q, k, cache, rows = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16), torch.zeros(1, 1, 8, 16), torch.zeros(1, 16)
     with pytest.raises(ValueError, match="length must be >= 1"):
-        kernels.decode_attention_impl(q, k, k, torch.zeros(1, dtype=torch.long), 0)
+        kernels.decode_attention_impl(q, k, k, cache, cache, torch.zeros(1, dtype=torch.long), rows, rows, 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (concurrent programs)")
@@ -247,12 +347,11 @@ def test_the_in_kernel_merge_agrees_with_the_merge_kernel_on_a_gpu():
     calls over shapes with 2-8 splits give what the second kernel gives, every time."""
     gen = torch.Generator().manual_seed(0)
     for batch, heads, kv_heads, dim, length in [(64, 14, 2, 64, 384), (8, 12, 2, 128, 512), (3, 16, 8, 64, 256)]:
-        q = torch.randn(batch, heads, dim, generator=gen).bfloat16().cuda()
-        k, v = (torch.randn(batch, kv_heads, length, dim, generator=gen).bfloat16().cuda() for _ in range(2))
-        pos = torch.randint(0, length, (batch,), generator=gen).cuda()
+        step = new_token((batch, heads, kv_heads, dim, batch, length, length), gen, torch.bfloat16)
+        step = [t.nan_to_num().cuda() for t in step]  # each call writes the same key and value at pos again
         for splits in (2, 5, kernels.MERGE_IN_KERNEL_MAX_SPLITS):
-            want = kernels.decode_attention_impl(q, k, v, pos, length, splits, merge_in_kernel=False).float()
+            want = kernels.decode_attention_impl(*step, length, splits, merge_in_kernel=False).float()
             for _ in range(50):
-                got = kernels.decode_attention_impl(q, k, v, pos, length, splits, merge_in_kernel=True).float()
+                got = kernels.decode_attention_impl(*step, length, splits, merge_in_kernel=True).float()
                 torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-            assert not kernels._COUNTERS[q.device].any()
+            assert not kernels._COUNTERS[step[0].device].any()
