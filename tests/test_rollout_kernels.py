@@ -110,8 +110,8 @@ def test_decode_attention_takes_views_of_a_fused_projection():
     views = [t.view(batch, -1, dim) for t in fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)]
     assert views[1].stride(0) == (heads + 2 * kv_heads) * dim
     caches = [(k_cache.clone().to(DEVICE), v_cache.clone().to(DEVICE)) for _ in range(2)]
-    outs = [kernels.decode_attention_impl(*(t.to(DEVICE) for t in qkv), *cache, *(t.to(DEVICE) for t in (pos, cos, sin)),
-                                          shape[-1])
+    rows = [t.to(DEVICE) for t in (pos, cos, sin)]
+    outs = [kernels.decode_attention_impl(*(t.to(DEVICE) for t in qkv), *cache, *rows, shape[-1])
             for qkv, cache in ((views, caches[0]), ((q, k, v), caches[1]))]
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0][0].nan_to_num(), caches[1][0].nan_to_num())
@@ -270,8 +270,9 @@ def test_the_kernels_gumbel_noise_is_the_exact_one_within_a_few_ulp():
     relative gives 2^-21 ~ 4.8e-7 in the noise, its float32 rounding at most 9.5e-7 (|noise| < 17), the outer log
     1.1e-7: 2e-6."""
     top = 2**23
+    sample = torch.randint(0, top, (1 << 16,), generator=torch.Generator().manual_seed(0))
     bins = torch.cat([torch.arange(top - 4096, top), torch.arange(top // 2 - 2048, top // 2 + 2048),
-                      torch.arange(0, 2048), torch.randint(0, top, (1 << 16,), generator=torch.Generator().manual_seed(0))])
+                      torch.arange(0, 2048), sample])
     uniform = (bins.double() + 0.5) * 2.0**-23
     out = torch.empty(len(bins), dtype=torch.float32, device=DEVICE)
     _gumbel_of[(kernels._ceil_div(len(bins), 1024),)](uniform.float().to(DEVICE), out, len(bins), BLOCK=1024,
