@@ -12,8 +12,8 @@ sample_tokens: the next token of every row by Gumbel-max with rollout/sampling.p
 log-prob, in one pass over the [R, V] logits as they come from the LM head (bfloat16): each program takes a chunk of
 a row's vocabulary and keeps the running max and sum of exponentials (the log-softmax normaliser) and the best noisy
 score with its token; a second small kernel merges the chunks. Its noise's logarithms run on the GPU's
-approximate log2 where that stays within a few float32 steps of the exact noise (_gumbel). The PyTorch form of the
-same draw
+approximate log2 where that stays within a few float32 steps of the exact noise (_gumbel): the same draw but for
+near-ties. The PyTorch form of the draw
 (sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate passes. No
 top-k / top-p: with those the engine keeps the PyTorch form.
 
@@ -160,7 +160,7 @@ if triton is not None:
             key = key * cos + sign * tl.load(k_new + partner).to(tl.float32) * sin
             key = key.to(K.dtype.element_ty)
             value = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + d).to(V.dtype.element_ty)
-            tl.store(k_base + pos * stride_kt + d, key)
+            tl.store(k_base + pos * stride_kt + d, key)  # pos < T_max: the caller's promise, not checked here
             tl.store(v_base + pos * stride_vt + d, value)
             if pos < start + split_len:  # else a slot past the context bound: the new position is not attended
                 s = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1) * scale
@@ -168,7 +168,7 @@ if triton is not None:
                 p = tl.exp(s - m_new)
                 alpha = tl.exp(m - m_new)
                 denom = denom * alpha + p
-                # p rounded to the values' dtype, as in the tiles' p v
+                # p rounded to the values' dtype, as the tiles' p v on a GPU (the interpreter's tiles keep float32)
                 acc = acc * alpha[:, None] + p.to(value.dtype).to(tl.float32)[:, None] * value.to(tl.float32)[None, :]
                 m = m_new
         if ONE_SPLIT:
@@ -246,12 +246,12 @@ if triton is not None:
 
     @triton.jit
     def _gumbel(uniform, ASM: tl.constexpr):
-        """-log(-log(u)) for u in (0, 1) on the grid of sampling.gumbel_noise, within ~2^-22 of the exact float32
-        form. E = -log(u) needs a relative error that small (the noise's largest values come from u near 1,
-        where lg2.approx's absolute error would be most of E): for u >= 1/2, with w = 1 - u (exact),
-        -log(1 - w) = 2 atanh(z) with z = w / (2 - w) <= 1/3, eight terms of its series (truncation < 2e-8
-        relative); for u < 1/2, -log(u) >= ln 2 and lg2.approx is accurate. The outer log needs an absolute error
-        of a score's rounding only."""
+        """-log(-log(u)) for u in (0, 1) on the grid of sampling.gumbel_noise, within 2e-6 of float64 (the exact
+        float32 form: 5.3e-7; tests/test_rollout_kernels.py derives the bound). E = -log(u) needs a small relative
+        error, ~2^-21 (the noise's largest values come from u near 1, where lg2.approx's absolute error would be
+        most of E): for u >= 1/2, with w = 1 - u (exact), -log(1 - w) = 2 atanh(z) with z = w / (2 - w) <= 1/3,
+        eight terms of its series (truncation < 2e-8 relative); for u < 1/2, -log(u) >= ln 2 and lg2.approx is
+        accurate. The outer log needs only an absolute error near a score's rounding."""
         w = 1.0 - uniform
         z = w / (2.0 - w)
         z2 = z * z
@@ -350,6 +350,11 @@ if triton is not None:
         tl.store(LOGPROBS + r, at - lse)
 
 
+def _ptx(device: torch.device) -> bool:
+    """Whether kernels may carry PTX inline assembly: compiled for an NVIDIA GPU (not interpreted, not ROCm)."""
+    return device.type == "cuda" and not INTERPRETED and torch.version.hip is None
+
+
 def sample_chunks(rows: int, vocab: int, programs: int) -> int:
     """Chunks of each row's vocabulary in sample_tokens: about `programs` programs, each at least one BLOCK_V tile."""
     return _part_count(vocab, BLOCK_V, rows, programs)
@@ -386,7 +391,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     _sample_chunk[(rows, chunks)](
         logits, seed, keys, steps, stop, banned, parts[0], parts[1], parts[2], token_part, parts[3],
         logits.stride(0), vocab, 1.0 / temperature if temperature > 0 else 1.0, chunk, chunks,
-        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, ASM=not INTERPRETED,
+        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, ASM=_ptx(device),
     )
     _merge_samples[(rows,)](parts[0], parts[1], parts[2], token_part, parts[3], tokens, logprobs, chunks,
                             CHUNK_ROWS=_next_power_of_two(chunks))

@@ -128,8 +128,8 @@ def sample_and_record(
     A slot that is not live samples too (its work is in the batch anyway) but writes to the spare output row and
     keeps its state. advance_positions: a decode step moves pos past the token it just wrote; prefill does not (the
     prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
-    tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's one-pass kernel (no top-k / top-p), the same
-    draw as sampling.sample_with_noise.
+    tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's one-pass kernel (no top-k / top-p), the draw
+    of sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie).
     """
     logits = F.linear(rms_norm(hidden + residual, norm, eps), lm_head)
     gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]

@@ -3,6 +3,7 @@ on CPU (conftest sets TRITON_INTERPRET=1 without a GPU; on a GPU the same checks
 engine decoding through it as through SDPA."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -105,16 +106,43 @@ def test_decode_attention_takes_views_of_a_fused_projection():
     shape = SHAPES[0]
     batch, heads, kv_heads, dim = shape[:4]
     gen = torch.Generator().manual_seed(5)
-    q, k, v, k_cache, v_cache, pos, cos, sin = new_token(shape, gen)
+    q, k, v, k_cache, v_cache, pos, cos, sin = (t.to(DEVICE) for t in new_token(shape, gen))
     fused = torch.cat([t.reshape(batch, -1) for t in (q, k, v)], dim=1)
     views = [t.view(batch, -1, dim) for t in fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)]
     assert views[1].stride(0) == (heads + 2 * kv_heads) * dim
-    caches = [(k_cache.clone().to(DEVICE), v_cache.clone().to(DEVICE)) for _ in range(2)]
-    rows = [t.to(DEVICE) for t in (pos, cos, sin)]
-    outs = [kernels.decode_attention_impl(*(t.to(DEVICE) for t in qkv), *cache, *rows, shape[-1])
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    outs = [kernels.decode_attention_impl(*qkv, *cache, pos, cos, sin, shape[-1])
             for qkv, cache in ((views, caches[0]), ((q, k, v), caches[1]))]
     assert torch.equal(outs[0], outs[1])
-    assert torch.equal(caches[0][0].nan_to_num(), caches[1][0].nan_to_num())
+    for mine, theirs in zip(caches[0], caches[1]):
+        assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
+
+
+def test_a_slot_past_the_context_bound_attends_to_its_prefix_and_still_writes():
+    """A finished slot still in the decode batch may sit at pos >= length rounded up to whole splits: the last split
+    writes its rotated key and value at pos, and its output is attention over the positions the splits cover (its
+    output is unused; what matters is that nothing else changes and nothing is read past the bound)."""
+    batch, heads, kv_heads, dim, slots, cache_len, length = 3, 4, 2, 16, 3, 200, 70
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = new_token((batch, heads, kv_heads, dim, slots, cache_len, length), gen)[:3]
+    k_cache, v_cache = (torch.randn(slots, kv_heads, cache_len, dim, generator=gen) for _ in range(2))
+    pos = torch.tensor([5, 150, 69])
+    cos, sin = rotary(pos, dim, torch.float32)
+    for b in range(batch):
+        k_cache[b, :, int(pos[b]):] = float("nan")
+        v_cache[b, :, int(pos[b]):] = float("nan")
+    for splits in (1, 2):
+        split_len, splits = kernels._whole_tiles(length, splits, kernels.BLOCK_T)
+        covered = split_len * splits  # 128 positions: slot 1's pos 150 is past them
+        want, k_after, v_after = expected_step(q, k, v, k_cache, v_cache, pos, cos, sin)
+        prefix = torch.tensor([0, covered - 1, 0])  # slot 1 over positions 0..covered-1, all cached
+        want[1] = slow_attention(rotate(q, cos, sin).float(), k_after, v_after, prefix)[1]
+        caches = [t.clone().to(DEVICE) for t in (k_cache, v_cache)]
+        got = kernels.decode_attention_impl(*(t.to(DEVICE) for t in (q, k, v)), *caches,
+                                            *(t.to(DEVICE) for t in (pos, cos, sin)), length, splits)
+        torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[0].cpu(), k_after, atol=1e-6, rtol=1e-6, equal_nan=True)
+        torch.testing.assert_close(caches[1].cpu(), v_after, atol=0, rtol=0, equal_nan=True)
 
 
 def test_compiled_decode_attention_writes_the_caches():
@@ -135,6 +163,36 @@ def test_compiled_decode_attention_writes_the_caches():
     assert torch.equal(got, want)
     assert torch.equal(compiled_step[3], eager_step[3]) and torch.equal(compiled_step[4], eager_step[4])
     assert not torch.equal(compiled_step[3], step[3])  # the new keys were written
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on CPU needs a C++ compiler")
+def test_inductor_writes_the_caches_in_place():
+    """Inductor (the engine's compiled decode step) calls the operator on the caches it was given: no copy of a
+    whole cache per layer (a clone before the call, or a copy back after it, would be one), the q/k/v views of the
+    fused projection passed as they are, and the caches written as in eager mode."""
+    from torch._inductor.utils import run_and_get_code
+
+    shape = SHAPES[0]
+    batch, heads, kv_heads, dim = shape[:4]
+    q, k, v, k_cache, v_cache, pos, cos, sin = (t.nan_to_num().to(DEVICE) for t in
+                                                new_token(shape, torch.Generator().manual_seed(3)))
+    fused = torch.cat([t.reshape(batch, -1) for t in (q, k, v)], dim=1)
+
+    def piece(fused, k_cache, v_cache, pos, cos, sin):
+        split = fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+        q, k, v = (t.view(batch, -1, dim) for t in split)
+        return kernels.decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, shape[-1]) * 2
+
+    eager = [k_cache.clone(), v_cache.clone()]
+    want = piece(fused, *eager, pos, cos, sin)
+    torch._dynamo.reset()
+    compiled = [k_cache.clone(), v_cache.clone()]
+    got, codes = run_and_get_code(torch.compile(piece, fullgraph=True), fused, *compiled, pos, cos, sin)
+    torch._dynamo.reset()
+    code = "\n".join(codes)
+    assert "meshrl.decode_attention" in code and "clone" not in code and "copy_" not in code, code
+    assert torch.equal(got, want)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
 
 
 def test_decode_attention_in_bfloat16():
@@ -276,7 +334,7 @@ def test_the_kernels_gumbel_noise_is_the_exact_one_within_a_few_ulp():
     uniform = (bins.double() + 0.5) * 2.0**-23
     out = torch.empty(len(bins), dtype=torch.float32, device=DEVICE)
     _gumbel_of[(kernels._ceil_div(len(bins), 1024),)](uniform.float().to(DEVICE), out, len(bins), BLOCK=1024,
-                                                        ASM=not kernels.INTERPRETED)
+                                                        ASM=kernels._ptx(torch.device(DEVICE)))
     exact = -torch.log(-torch.log(uniform))
     torch.testing.assert_close(out.cpu().double(), exact, atol=2e-6, rtol=0)
 

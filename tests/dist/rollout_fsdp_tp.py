@@ -187,8 +187,8 @@ def check_tp(mesh: DeviceMesh) -> None:
 def check_tp_kernels(mesh: DeviceMesh) -> None:
     """rollout/kernels.py's Triton kernels (Triton's interpreter on CPU; tests/conftest.py sets TRITON_INTERPRET=1)
     on each rank's heads of a TP=2 model: one key/value head and its two query heads per rank (head_dim 16, the
-    kernels' smallest), the rotary embedding and the cache write in the attention kernel, the sampling kernel
-    beside the ranks' agreement on each token. Greedy output equals the unsharded model's through PyTorch's SDPA."""
+    kernels' smallest), the rotary embedding and the cache write in the attention kernel, the sampling kernel on
+    rank 0's logits. Greedy and sampled output equal the unsharded model's through PyTorch's SDPA and sampler."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -206,12 +206,11 @@ def check_tp_kernels(mesh: DeviceMesh) -> None:
     check(engine.stats["kernel_attention"] == engine.stats["kernel_sampling"] == 1,
           f"tp kernels: the kernels did not run {engine.stats}")
     check_same(out, reference.generate(prompts, params), "tp kernels greedy")
+    # Sampling: the kernel's draw with the same seed as the unsharded engine's PyTorch form (the noise agrees to a
+    # few float32 steps: a token could differ only on a near-tie, which 64 float32 logits do not hold).
     params = SamplingParams(max_new_tokens=12, temperature=1.0, n=2)
-    out = engine.generate(prompts, params, torch.Generator().manual_seed(100 + dist.get_rank()))
-    mine = (out.response_ids.tolist(), out.logprobs.tolist())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    check(all(o == everyone[0] for o in everyone), "tp kernels sampling: ranks diverged")
+    out = engine.generate(prompts, params, torch.Generator().manual_seed(1234))
+    check_same(out, reference.generate(prompts, params, torch.Generator().manual_seed(1234)), "tp kernels sampling")
 
 
 def main() -> None:
