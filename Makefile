@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # two pytest workers, a test file each at a time: one worker leaves a core idle a third of the time between the
-# multi-process launches (9-18 min on 2 cores with two); `$(PY) -m pytest tests/test_x.py` runs one file alone
+# multi-process launches (7-18 min on 2 cores with two); `$(PY) -m pytest tests/test_x.py` runs one file alone
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
