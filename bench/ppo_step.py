@@ -2,6 +2,7 @@
 
     python bench/ppo_step.py                                   # 0.5B and 1.5B, fixed and varying lengths, all systems
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --profile-step 4
+    python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --nproc 2   # 2 GPUs, FSDP2
 
 The work of ../shared/BENCHMARKS.md: 8 prompts x 8 samples per step, 128 random prompt tokens, up to 256 new tokens,
 temperature 1, no reference model and no KL (beta 0), lr 1e-6, one optimizer step per rollout, bf16 compute, on
@@ -15,6 +16,9 @@ after the first three, "first 3" their sum, "start" the seconds from process sta
 the phases come from its metrics.jsonl (timing_s/gen, old_logprobs, update_actor, reshard); TRL's steps are timed
 by a TrainerCallback (TRL reports no phases). Update MFU: 6 x parameters x trained tokens / update time / peak, with
 --peak-tflops (989 dense bf16 on an H200); trained tokens = prompt + response tokens of the step.
+--nproc N runs meshrl under torchrun on N processes (one GPU each, colocated, FSDP2 over the N unless the key=value
+overrides say otherwise) with the same global batch: the table's tokens (update tok/s, MFU) are per GPU then. TRL runs
+on one GPU whatever --nproc says.
 The reward of every system is the same cheap function of the response text (tests reward speed, not quality).
 TRL needs trl, datasets, dill and multiprocess importable; TRL + vLLM and meshrl's vLLM engine the vLLM bundle
 (../shared/vllm). The last lines are a markdown table for bench/RESULTS.md.
@@ -26,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,10 +117,12 @@ def stop_ids(vocab: int, mean: int = MEAN_VARYING) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------- meshrl
 def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: str, extra: list[str],
-               profile_step: int | None, device: str) -> dict:
+               profile_step: int | None, device: str, nproc: int = 1) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     data = workdir / f"prompts_{vocab}.jsonl"
-    run_name = f"{name}_{model_dir.name}_{lengths}_{zlib.crc32(' '.join(extra).encode()):08x}"
+    run_name = f"{name}_{model_dir.name}_{lengths}_{nproc}_{zlib.crc32(' '.join(extra).encode()):08x}"
+    # a run of the same name left by an earlier, interrupted call (its checkpoint on the signal) would stop this one
+    shutil.rmtree(workdir / "runs" / run_name, ignore_errors=True)
     overrides = [
         f"model.path={model_dir}", f"model.tokenizer_path={tokenizer_dir(model_dir)}", f"data.train_path={data}",
         "data.eval_path=null", f"data.batch_size={PROMPTS}",
@@ -135,7 +142,9 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     config.write_text("reward:\n  functions:\n    - spec: bench_reward:meshrl_reward\n")
     env = dict(os.environ, PYTHONPATH=f"{workdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     began = time.time()
-    cmd = [sys.executable, str(ROOT / "train_ppo.py"), "--config", str(config), *overrides, *extra]
+    launcher = [sys.executable] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, str(ROOT / "train_ppo.py"), "--config", str(config), *overrides, *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
@@ -266,6 +275,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/ppo_step")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script with a tiny model")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--nproc", type=int, default=1, help="meshrl's processes (GPUs), the global batch unchanged")
     ap.add_argument("--profile-step", type=int, default=None, help="meshrl: torch.profiler over this step")
     ap.add_argument("--micro-batch-tokens", type=int, default=WHOLE_STEP,
                     help="meshrl's actor.micro_batch_tokens (default: the whole step's 64 x 384 tokens in one forward, "
@@ -298,13 +308,14 @@ def main() -> None:
                     if system == "meshrl-vllm":
                         extra += ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
                     r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step,
-                                   args.device)
+                                   args.device, args.nproc)
                 else:
                     r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
                                 system == "trl-vllm")
                 label = system
                 if system.startswith("meshrl"):
                     notes = [f"micro-batch {args.micro_batch_tokens}"] if args.micro_batch_tokens != WHOLE_STEP else []
+                    notes += [f"{args.nproc} ranks"] if args.nproc > 1 else []
                     label += f" ({', '.join(notes + args.extra)})" if notes or args.extra else ""
                 r.update(system=label, model=model, lengths=lengths, params=params)
                 if "error" in r:
