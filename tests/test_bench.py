@@ -21,7 +21,7 @@ def test_ppo_step_runs_meshrl_on_two_ranks_and_again_over_what_a_run_left(tmp_pa
     cmd = [sys.executable, "bench/ppo_step.py", "--models", str(model), "--systems", "meshrl", "--lengths", "fixed",
            "--steps", "2", "--device", "cpu", "--nproc", "2", "--workdir", str(tmp_path / "work"), "--json", str(out),
            "checkpoint.save_every=1"]
-    for attempt in range(2):
+    for _ in range(2):
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         [result] = json.loads(out.read_text())
