@@ -168,6 +168,11 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     util = [r["perf/gpu_util"] for r in rows[1:] if r.get("perf/gpu_util") is not None]
     out["gpu_util"] = statistics.mean(util) if util else None
     out["gpu_memory_used_gb"] = max((r.get("perf/gpu_memory_used_gb") or 0.0 for r in rows), default=None)
+    # for comparing layouts and comm options (issue 15): the step's share in collectives, split placement's transfers,
+    # and the loss, which an option must leave within the CPU tests' tolerance of the plain run's
+    for key in ("perf/comm_fraction", "timing_s/transfer", "actor/pg_loss"):
+        values = [r.get(key) for r in rows]
+        out[key.split("/")[1]] = values if any(v is not None for v in values) else None
     out["run_dir"] = str(workdir / "runs" / run_name)
     return out
 

@@ -28,5 +28,6 @@ def test_ppo_step_runs_meshrl_on_two_ranks_and_again_over_what_a_run_left(tmp_pa
         assert "error" not in result, result["error"]
         assert result["system"] == "meshrl (2 ranks, checkpoint.save_every=1)"
         assert len(result["steps"]) == 2 and result["response_len"] > 0
+        assert len(result["pg_loss"]) == 2 and all(0 < f < 1 for f in result["comm_fraction"])
         assert any((Path(result["run_dir"]) / "checkpoints").iterdir()), "the run left no checkpoint to start over"
         assert "| meshrl (2 ranks, checkpoint.save_every=1) |" in proc.stdout
