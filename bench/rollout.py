@@ -3,6 +3,8 @@
     python bench/rollout.py                       # Qwen2.5-0.5B and 1.5B shapes, 1 GPU
     python bench/rollout.py --models qwen2.5-0.5b --hf-prompts 128
     python bench/rollout.py --models qwen2.5-0.5b --prompts 1024 --max-num-seqs 256 --hf-prompts 0   # 4x the slots
+    torchrun --nproc_per_node 2 bench/rollout.py --layout tp --hf-prompts 0   # one engine over 2 GPUs (TP=2)
+    torchrun --nproc_per_node 2 bench/rollout.py --layout dp --hf-prompts 0   # 2 engines, half the prompts each
 
 Models are built from configs/models/<name>.json (or a path to such a file) with random bf16 weights: weights do not
 change speed. Runs per model:
@@ -16,6 +18,11 @@ Each engine run is warmed up once with the same shapes first (torch.compile and 
 timed run: the engine is resident, so the timed call replays the warm-up's graphs, as a training run's rollouts after
 the first do; --no-resident captures in every call). Tokens/s counts generated tokens only. The prefill
 share is measured by a run with max_new_tokens = 1; per decode step = (time - prefill) / decode steps.
+Under torchrun (several GPUs, or CPU processes over gloo): --layout tp shards the model's projections over the
+ranks (parallel/tp.apply_tp) and runs one engine with the ranks in its tp group on all the prompts; --layout dp runs
+one engine per rank on its share of the prompts (every world-th). Each timed call starts and ends at a barrier;
+tokens/s counts the tokens of all ranks (dp) or of the one engine (tp). HF generate and --profile run on one process
+only.
 The last lines are a markdown table for bench/RESULTS.md.
 """
 
@@ -23,16 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from parallel.tp import apply_tp  # noqa: E402
 from rollout.native import NativeEngine, SamplingParams  # noqa: E402
 from rollout.slots import KERNEL_OPS  # noqa: E402
 
@@ -52,15 +63,20 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
 
 
 def timed(fn):
-    """(result, seconds, peak GiB allocated) of fn() on the current device."""
+    """(result, seconds, peak GiB allocated) of fn() on the current device; under torch.distributed from a barrier
+    before it to one after it on every rank (the slowest rank's time)."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    if dist.is_initialized():
+        dist.barrier()
     start = time.perf_counter()
     result = fn()
     if cuda:
         torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return result, time.perf_counter() - start, peak
 
@@ -80,29 +96,43 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
     rows = []
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    share = slice(None)  # the prompts this rank's engine decodes
+    tp_group = None
+    if world > 1 and args.layout == "tp":
+        mesh = init_device_mesh(device.type, (world,))
+        apply_tp(model, mesh)
+        tp_group = mesh.get_group()
+    elif world > 1:
+        share = slice(dist.get_rank(), None, world)
 
     def ours(engine: NativeEngine, params: SamplingParams, limits=None, label=""):
         seed = torch.Generator(device=device).manual_seed(0)
-        run = lambda: engine.generate(prompts, params, seed, max_new_tokens=limits)
+        mine = prompts[share]
+        run = lambda: engine.generate(mine, params, seed, max_new_tokens=limits[share] if limits else None)
         start = time.perf_counter()
         run()  # warm-up: compiles the shapes this run meets
         print(f"[{name} {label}] warm-up {time.perf_counter() - start:.1f} s", flush=True)
         out, seconds, peak = timed(run)
         stats = dict(engine.stats)
         prefill_params = SamplingParams(max_new_tokens=1, temperature=params.temperature)
-        prefill = lambda: engine.generate(prompts, prefill_params, seed)
+        prefill = lambda: engine.generate(mine, prefill_params, seed)
         prefill()  # warm-up: prefill-only shapes
         # the fastest of three: one slow call (0.41 s against 0.07 s, seen once on an H200) would make the decode
         # steps, the run's time less this, look several times faster than they are
         prefill_s = min(timed(prefill)[1] for _ in range(3))
-        tokens = int(out.response_mask.sum())
+        tokens = out.response_mask.sum()
+        if world > 1 and tp_group is None:  # data parallel: every rank's engine decoded its own prompts
+            dist.all_reduce(tokens)
+        tokens = int(tokens)
         step_ms = (seconds - prefill_s) / max(stats["decode_steps"], 1) * 1e3
         print(f"[{name} {label}] {tokens} tokens in {seconds:.2f} s (prefill {prefill_s:.2f} s), "
               f"{step_ms:.2f} ms/step, stats {stats}", flush=True)
         return tokens, seconds, peak, prefill_s, step_ms, stats
 
-    def slots_note(stats: dict) -> str:  # continuous batching: more sequences than slots
-        return f", {stats['slots']} slots" if stats["slots"] < args.prompts else ""
+    def slots_note(stats: dict) -> str:  # continuous batching: more sequences than slots; the ranks' layout
+        note = f", {stats['slots']} slots" if stats["slots"] < len(prompts[share]) else ""
+        return note + (f", {args.layout} {world}" if world > 1 else "")
 
     new = args.new
     equal = SamplingParams(max_new_tokens=new, temperature=1.0, min_new_tokens=new)
@@ -115,6 +145,7 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         torch._dynamo.reset()  # each variant's compiled pieces are new code: no recompile limit across variants
         decode_kernels, ops = KERNEL_VARIANTS[variant]
         engine = NativeEngine(model, pad_token_id=0, cuda_graphs=not args.no_graphs, compile=not args.no_compile,
+                              tp_group=tp_group,
                               fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops,
                               max_num_seqs=args.max_num_seqs, resident=not args.no_resident)
         engine.slots.admit_min_free = args.admit_min_free
@@ -242,8 +273,19 @@ def main() -> None:
                         help="decode kernels, one engine run each: torch (SDPA, sampling.py), attention (the Triton "
                              "attention only), triton (attention and sampling: the default where Triton runs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layout", choices=["tp", "dp"], default="tp",
+                        help="under torchrun: one engine over the ranks (tp) or one per rank (dp)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.hf_prompts or args.profile:
+            parser.error("under torchrun pass --hf-prompts 0 and no --profile (they run on one process)")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__}, device {name}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = []
@@ -252,6 +294,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model's cache blocks, before the next model's peak is measured
     print(table(rows))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

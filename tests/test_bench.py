@@ -1,22 +1,31 @@
 """The benchmark scripts' own plumbing on CPU (their figures need a GPU: bench/RESULTS.md)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import explain, run_python, torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(tmp_path: Path) -> Path:
+    """A 2-layer Qwen2 shape (head_dim 16) as bench scripts take models: a config file."""
+    tiny = json.loads((ROOT / "configs" / "models" / "qwen2.5-0.5b.json").read_text())
+    tiny.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    model = tmp_path / "tiny_qwen.json"
+    model.write_text(json.dumps(tiny))
+    return model
 
 
 def test_ppo_step_runs_meshrl_on_two_ranks_and_again_over_what_a_run_left(tmp_path):
     """bench/ppo_step.py --nproc 2 (the multi-GPU runs' launch: torchrun, the same global batch) on a tiny model, twice
     with the same settings: the second run starts although the first left checkpoints in the run's folder (an
     interrupted call leaves one, and checkpoint.resume=never refuses a folder with one)."""
-    tiny = json.loads((ROOT / "configs" / "models" / "qwen2.5-0.5b.json").read_text())
-    tiny.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2)
-    model = tmp_path / "tiny_qwen.json"
-    model.write_text(json.dumps(tiny))
+    model = tiny_model(tmp_path)
     out = tmp_path / "results.json"
     cmd = [sys.executable, "bench/ppo_step.py", "--models", str(model), "--systems", "meshrl", "--lengths", "fixed",
            "--steps", "2", "--device", "cpu", "--nproc", "2", "--workdir", str(tmp_path / "work"), "--json", str(out),
@@ -31,3 +40,22 @@ def test_ppo_step_runs_meshrl_on_two_ranks_and_again_over_what_a_run_left(tmp_pa
         assert len(result["pg_loss"]) == 2 and all(0 < f < 1 for f in result["comm_fraction"])
         assert any((Path(result["run_dir"]) / "checkpoints").iterdir()), "the run left no checkpoint to start over"
         assert "| meshrl (2 ranks, checkpoint.save_every=1) |" in proc.stdout
+
+
+def test_rollout_bench_runs_one_tp_engine_or_an_engine_per_rank_under_torchrun(tmp_path):
+    """bench/rollout.py under torchrun on 2 CPU processes: --layout tp (one engine, the model's projections sharded)
+    and --layout dp (an engine per rank on every other prompt) generate the tokens one process does: 16 x 32 in the
+    equal run, the drawn lengths' sum in the spread run."""
+    args = ["bench/rollout.py", "--models", str(tiny_model(tmp_path)), "--prompts", "16", "--new", "32",
+            "--spread", "8", "32", "--hf-prompts", "0", "--kernels", "torch", "--device", "cpu"]
+
+    def token_counts(proc) -> list[int]:
+        assert proc.returncode == 0, explain(proc)
+        return [int(row.split("|")[4]) for row in proc.stdout.splitlines() if re.match(r"\| \S*tiny_qwen", row)]
+
+    single = token_counts(run_python(args))
+    assert single[0] == 16 * 32 and 16 * 8 <= single[1] <= 16 * 32
+    for layout in ("tp", "dp"):
+        proc = torchrun([*args, "--layout", layout], nproc=2)
+        assert token_counts(proc) == single, explain(proc)
+        assert f", {layout} 2 |" in proc.stdout
