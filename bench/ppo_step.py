@@ -121,8 +121,18 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     data = workdir / f"prompts_{vocab}.jsonl"
     run_name = f"{name}_{model_dir.name}_{lengths}_{nproc}_{zlib.crc32(' '.join(extra).encode()):08x}"
-    # a run of the same name left by an earlier, interrupted call (its checkpoint on the signal) would stop this one
-    shutil.rmtree(workdir / "runs" / run_name, ignore_errors=True)
+    # a run of the same name left by an earlier, interrupted call (its checkpoint on the signal) would stop this one:
+    # removed, unless a live process holds its lock (another call of this bench on the same --workdir)
+    run_dir = workdir / "runs" / run_name
+    if run_dir.exists():
+        sys.path.insert(0, str(ROOT))
+        from monitor import lock_run_dir
+
+        lock, holder = lock_run_dir(str(run_dir))
+        if lock is None:
+            return {"error": f"{run_dir} is in use ({holder}): another call of this bench on the same --workdir?"}
+        shutil.rmtree(run_dir)
+        lock.close()
     overrides = [
         f"model.path={model_dir}", f"model.tokenizer_path={tokenizer_dir(model_dir)}", f"data.train_path={data}",
         "data.eval_path=null", f"data.batch_size={PROMPTS}",
@@ -322,7 +332,9 @@ def main() -> None:
                     notes = [f"micro-batch {args.micro_batch_tokens}"] if args.micro_batch_tokens != WHOLE_STEP else []
                     notes += [f"{args.nproc} ranks"] if args.nproc > 1 else []
                     label += f" ({', '.join(notes + args.extra)})" if notes or args.extra else ""
-                r.update(system=label, model=model, lengths=lengths, params=params)
+                r.update(system=label, model=model, lengths=lengths, params=params,
+                         nproc=args.nproc if system.startswith("meshrl") else 1,
+                         split=any(e.replace(" ", "") == "placement.mode=split" for e in args.extra))
                 if "error" in r:
                     print(r["error"], flush=True)
                 else:
@@ -357,10 +369,12 @@ def report(results: list[dict], peak_tflops: float) -> None:
             upd = steady(r["update_actor"])
             mfu = 6 * r["params"] * r["tokens"] / upd / (peak_tflops * 1e12)
             parts = " / ".join(phase_cell(r, f"gen_{p}") for p in ("prefill", "capture", "decode"))
-            phases = [phase_cell(r, "gen"), parts, phase_cell(r, "old_logprobs"), f"{upd:.3f}", f"{mfu:.1%}",
-                      f"{r['tokens'] / upd:,.0f}", phase_cell(r, "reshard")]
+            # tokens are per rank of the whole world: on split pools the update runs on the actor's ranks only
+            per_gpu = ("-", "-") if r.get("split") else (f"{mfu:.1%}", f"{r['tokens'] / upd:,.0f}")
+            phases = [phase_cell(r, "gen"), parts, phase_cell(r, "old_logprobs"), f"{upd:.3f}", *per_gpu,
+                      phase_cell(r, "reshard")]
         peer = peers.get((r["model"], r["lengths"]))
-        ratio = f"{peer / s:.2f}x" if peer else "-"
+        ratio = f"{peer / s:.2f}x" if peer and r.get("nproc", 1) == 1 else "-"  # TRL runs on one GPU
         resp = f"{r['response_len']:.0f}" if r.get("response_len") else "-"
         start = f"{r['start_s']:.0f}" if r.get("start_s") else "-"
         print(f"| {r['model']} | {r['lengths']} | {r['system']} | {s:.3f} | {first3:.1f} | {start} | {resp} | "

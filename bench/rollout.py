@@ -62,10 +62,13 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
     return model.eval()
 
 
+CUDA = torch.cuda.is_available()  # main() sets it from --device
+
+
 def timed(fn):
     """(result, seconds, peak GiB allocated) of fn() on the current device; under torch.distributed from a barrier
     before it to one after it on every rank (the slowest rank's time)."""
-    cuda = torch.cuda.is_available()
+    cuda = CUDA
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -103,6 +106,9 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         mesh = init_device_mesh(device.type, (world,))
         apply_tp(model, mesh)
         tp_group = mesh.get_group()
+        q_proj = model.model.layers[0].self_attn.q_proj.weight
+        print(f"[{name}] tp {world}: q_proj {tuple(q_proj.to_local().shape)} of {tuple(q_proj.shape)} per rank",
+              flush=True)
     elif world > 1:
         share = slice(dist.get_rank(), None, world)
 
@@ -125,7 +131,10 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         if world > 1 and tp_group is None:  # data parallel: every rank's engine decoded its own prompts
             dist.all_reduce(tokens)
         tokens = int(tokens)
-        step_ms = (seconds - prefill_s) / max(stats["decode_steps"], 1) * 1e3
+        steps = torch.tensor(stats["decode_steps"])
+        if world > 1 and tp_group is None:  # the ranks' engines ran their own steps: the slowest rank's count
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        step_ms = (seconds - prefill_s) / max(int(steps), 1) * 1e3
         print(f"[{name} {label}] {tokens} tokens in {seconds:.2f} s (prefill {prefill_s:.2f} s), "
               f"{step_ms:.2f} ms/step, stats {stats}", flush=True)
         return tokens, seconds, peak, prefill_s, step_ms, stats
@@ -159,7 +168,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
             model=name, run=f"equal {args.prompts}x({args.prompt_len}+{new}){slots_note(stats)}", kernels=variant,
             tokens=tokens,
             ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s, step_ms=step_ms,
-            floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context), graphs=stats["graphs"]))
+            floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context) if world == 1 else None,
+            graphs=stats["graphs"]))
         if args.spread:
             spread = SamplingParams(max_new_tokens=high, temperature=1.0)
             tokens, seconds, peak, prefill_s, step_ms, stats = ours(engine, spread, limits,
@@ -277,9 +287,13 @@ def main() -> None:
                         help="under torchrun: one engine over the ranks (tp) or one per rank (dp)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    global CUDA
+    CUDA = device.type == "cuda"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if args.hf_prompts or args.profile:
             parser.error("under torchrun pass --hf-prompts 0 and no --profile (they run on one process)")
+        if args.prompts < int(os.environ["WORLD_SIZE"]):
+            parser.error(f"--prompts {args.prompts}: fewer than the {os.environ['WORLD_SIZE']} ranks")
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)

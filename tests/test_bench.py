@@ -59,3 +59,5 @@ def test_rollout_bench_runs_one_tp_engine_or_an_engine_per_rank_under_torchrun(t
         proc = torchrun([*args, "--layout", layout], nproc=2)
         assert token_counts(proc) == single, explain(proc)
         assert f", {layout} 2 |" in proc.stdout
+        # the TP engine's ranks hold half of each projection: 2 of the 4 query heads (16 dims each) of 64
+        assert ("q_proj (32, 64) of (64, 64) per rank" in proc.stdout) == (layout == "tp"), explain(proc)
