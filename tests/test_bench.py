@@ -61,3 +61,18 @@ def test_rollout_bench_runs_one_tp_engine_or_an_engine_per_rank_under_torchrun(t
         assert f", {layout} 2 |" in proc.stdout
         # the TP engine's ranks hold half of each projection: 2 of the 4 query heads (16 dims each) of 64
         assert ("q_proj (32, 64) of (64, 64) per rank" in proc.stdout) == (layout == "tp"), explain(proc)
+
+
+def test_attention_kernel_bench_compares_another_kernels_file(tmp_path):
+    """bench/attention_kernel.py --device cpu (Triton's interpreter, tiny shapes): a baseline that is this tree's
+    kernels.py reads "yes" in the last column, one whose rotary embedding has the wrong sign "NO"."""
+    source = (ROOT / "rollout" / "kernels.py").read_text()
+    sign = "sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)"
+    wrong = source.replace(sign, sign.replace("-1.0", "1.0"))
+    assert wrong != source
+    for name, text, verdict in (("same.py", source, "yes"), ("wrong.py", wrong, "NO")):
+        (tmp_path / name).write_text(text)
+        proc = run_python(["bench/attention_kernel.py", "--device", "cpu", "--baseline", str(tmp_path / name)])
+        assert proc.returncode == 0, explain(proc)
+        [row] = [line for line in proc.stdout.splitlines() if line.startswith("| tiny | 3 |")]
+        assert row.endswith(f"| {verdict} |"), row
