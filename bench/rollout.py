@@ -127,13 +127,13 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         # the fastest of three: one slow call (0.41 s against 0.07 s, seen once on an H200) would make the decode
         # steps, the run's time less this, look several times faster than they are
         prefill_s = min(timed(prefill)[1] for _ in range(3))
-        tokens = out.response_mask.sum()
+        # on the device: NCCL reduces CUDA tensors only
+        tokens = torch.tensor(int(out.response_mask.sum()), device=device)
+        steps = torch.tensor(stats["decode_steps"], device=device)
         if world > 1 and tp_group is None:  # data parallel: every rank's engine decoded its own prompts
             dist.all_reduce(tokens)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the slowest rank's count of steps
         tokens = int(tokens)
-        steps = torch.tensor(stats["decode_steps"])
-        if world > 1 and tp_group is None:  # the ranks' engines ran their own steps: the slowest rank's count
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         step_ms = (seconds - prefill_s) / max(int(steps), 1) * 1e3
         print(f"[{name} {label}] {tokens} tokens in {seconds:.2f} s (prefill {prefill_s:.2f} s), "
               f"{step_ms:.2f} ms/step, stats {stats}", flush=True)
