@@ -83,6 +83,12 @@ def _programs(device: torch.device, per_sm: int = 2) -> int:
 if triton is not None:
 
     @triton.jit
+    def _rotate_half(x, x_partner, cos, sin, sign):
+        """Rotary embedding in the rotate-half layout, x * cos + rotate_half(x) * sin, in float32: x_partner holds
+        x at (d + D/2) % D, sign is -1 on the first half, +1 on the second."""
+        return x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin
+
+    @triton.jit
     def _attend_split(
         Q, K_NEW, V_NEW, COS, SIN, K, V, POS, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
         stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
@@ -111,16 +117,16 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         head = kvh * GROUP + g
         real = g < GROUP
-        # rotary embedding in the rotate-half layout: x * cos + rotate_half(x) * sin, in float32, rounded once to the
-        # inputs' dtype (what the compiled PyTorch form computes)
+        # q and the new key rotated (_rotate_half) in float32 and rounded once to the inputs' dtype, as the compiled
+        # PyTorch form computes
         partner = (d + HEAD_DIM // 2) % HEAD_DIM
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
         cos = tl.load(COS + b * stride_cb + d).to(tl.float32)
         sin = tl.load(SIN + b * stride_cb + d).to(tl.float32)
         q_rows = Q + b * stride_qb + head[:, None] * stride_qh
         q = tl.load(q_rows + d[None, :], mask=real[:, None], other=0.0)
-        q_partner = tl.load(q_rows + partner[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_partner * sin[None, :]).to(q.dtype)
+        q_partner = tl.load(q_rows + partner[None, :], mask=real[:, None], other=0.0)
+        q = _rotate_half(q, q_partner, cos[None, :], sin[None, :], sign[None, :]).to(q.dtype)
         if UPCAST:
             q = q.to(tl.float32)
         m = tl.full([GROUP_ROWS], float("-inf"), dtype=tl.float32)
@@ -156,9 +162,7 @@ if triton is not None:
             m = m_new
         if split == tl.minimum(pos // split_len, splits - 1):
             k_new = K_NEW + b * stride_knb + kvh * stride_knh
-            key = tl.load(k_new + d).to(tl.float32)
-            key = key * cos + sign * tl.load(k_new + partner).to(tl.float32) * sin
-            key = key.to(K.dtype.element_ty)
+            key = _rotate_half(tl.load(k_new + d), tl.load(k_new + partner), cos, sin, sign).to(K.dtype.element_ty)
             value = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + d).to(V.dtype.element_ty)
             tl.store(k_base + pos * stride_kt + d, key)  # pos < T_max: the caller's promise, not checked here
             tl.store(v_base + pos * stride_vt + d, value)
@@ -350,6 +354,11 @@ if triton is not None:
         tl.store(LOGPROBS + r, at - lse)
 
 
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dimension is contiguous (a view of a fused projection's output is), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _ptx(device: torch.device) -> bool:
     """Whether kernels may carry PTX inline assembly: compiled for an NVIDIA GPU (not interpreted, not ROCm)."""
     return device.type == "cuda" and not INTERPRETED and torch.version.hip is None
@@ -375,7 +384,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     stop_mask: [V] bool and banned_rows: [R] bool, or both None: stop_mask's tokens may not be picked in the rows
     banned_rows marks (the stop tokens before min_new_tokens). chunks: 0 picks the count (sample_chunks).
     Returns (tokens [R] long, logprobs [R] float32)."""
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    logits = _rows_contiguous(logits)
     rows, vocab = logits.shape
     if chunks <= 0:
         chunks = sample_chunks(rows, vocab, _programs(logits.device, SAMPLE_PROGRAMS_PER_SM))
@@ -439,11 +448,6 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
             _RETIRED_COUNTERS.append(have)
         have = _COUNTERS[device] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
     return have
-
-
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its last dimension is contiguous (a view of a fused projection's output is), else a copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
