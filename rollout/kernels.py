@@ -12,8 +12,8 @@ sample_tokens: the next token of every row by Gumbel-max with rollout/sampling.p
 log-prob, in one pass over the [R, V] logits as they come from the LM head (bfloat16): each program takes a chunk of
 a row's vocabulary and keeps the running max and sum of exponentials (the log-softmax normaliser) and the best noisy
 score with its token; a second small kernel merges the chunks. Its noise's logarithms run on the GPU's
-approximate log2 where that stays within a few float32 steps of the exact noise (_gumbel): the same draw but for
-near-ties. The PyTorch form of the draw
+approximate log2 where that stays within a few float32 steps of the exact noise (_exponential): the same draw but
+for near-ties. The PyTorch form of the draw
 (sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate passes. No
 top-k / top-p: with those the engine keeps the PyTorch form.
 
@@ -136,6 +136,14 @@ if triton is not None:
         end = tl.minimum(start + split_len, pos)  # cached positions only: the new one comes from registers
         k_base = K + b * stride_ks + kvh * stride_kh
         v_base = V + b * stride_vs + kvh * stride_vh
+        # the new key (rotated) and value loaded and written by the owner before the loop, their latency under it
+        owner = split == tl.minimum(pos // split_len, splits - 1)
+        k_new = K_NEW + b * stride_knb + kvh * stride_knh
+        key = _rotate_half(tl.load(k_new + d), tl.load(k_new + partner), cos, sin, sign).to(K.dtype.element_ty)
+        value = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + d).to(V.dtype.element_ty)
+        if owner:
+            tl.store(k_base + pos * stride_kt + d, key)  # pos < T_max: the caller's promise, not checked here
+            tl.store(v_base + pos * stride_vt + d, value)
         for t0 in range(start, end, BLOCK):
             t = t0 + tl.arange(0, BLOCK)
             live = t < end
@@ -160,12 +168,7 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        if split == tl.minimum(pos // split_len, splits - 1):
-            k_new = K_NEW + b * stride_knb + kvh * stride_knh
-            key = _rotate_half(tl.load(k_new + d), tl.load(k_new + partner), cos, sin, sign).to(K.dtype.element_ty)
-            value = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + d).to(V.dtype.element_ty)
-            tl.store(k_base + pos * stride_kt + d, key)  # pos < T_max: the caller's promise, not checked here
-            tl.store(v_base + pos * stride_vt + d, value)
+        if owner:
             if pos < start + split_len:  # else a slot past the context bound: the new position is not attended
                 s = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1) * scale
                 m_new = tl.maximum(m, s)
@@ -249,42 +252,48 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
-    def _gumbel(uniform, ASM: tl.constexpr):
-        """-log(-log(u)) for u in (0, 1) on the grid of sampling.gumbel_noise, within 2e-6 of float64 (the exact
-        float32 form: 5.3e-7; tests/test_rollout_kernels.py derives the bound). E = -log(u) needs a small relative
-        error, ~2^-21 (the noise's largest values come from u near 1, where lg2.approx's absolute error would be
-        most of E): for u >= 1/2, with w = 1 - u (exact), -log(1 - w) = 2 atanh(z) with z = w / (2 - w) <= 1/3,
-        eight terms of its series (truncation < 2e-8 relative); for u < 1/2, -log(u) >= ln 2 and lg2.approx is
-        accurate. The outer log needs only an absolute error near a score's rounding."""
+    def _exponential(uniform, ASM: tl.constexpr):
+        """E = -log(u) for u in (0, 1) on the grid of sampling.gumbel_noise (the Gumbel noise is -log E), within
+        1e-6 relative of float64 (tests/test_rollout_kernels.py derives the bound). The noise's largest values come
+        from u near 1, where lg2.approx's absolute error (2^-22 in log2) would be most of E: for u >= 3/4, with
+        w = 1 - u (exact), -log(1 - w) = sum_n w^n / n, eleven terms (truncation < 3e-8 relative at w = 1/4); for
+        u < 3/4, E > 0.287 and lg2.approx's error is < 6e-7 of it."""
         w = 1.0 - uniform
-        z = w / (2.0 - w)
-        z2 = z * z
-        series = 1.0 / 15.0
-        series = series * z2 + 1.0 / 13.0
-        series = series * z2 + 1.0 / 11.0
-        series = series * z2 + 1.0 / 9.0
-        series = series * z2 + 1.0 / 7.0
-        series = series * z2 + 1.0 / 5.0
-        series = series * z2 + 1.0 / 3.0
-        series = series * z2 + 1.0
-        exponential = tl.where(uniform < 0.5, -_log(uniform, ASM), 2.0 * z * series)
-        return -_log(exponential, ASM)
+        series = 1.0 / 11.0
+        series = series * w + 1.0 / 10.0
+        series = series * w + 1.0 / 9.0
+        series = series * w + 1.0 / 8.0
+        series = series * w + 1.0 / 7.0
+        series = series * w + 1.0 / 6.0
+        series = series * w + 1.0 / 5.0
+        series = series * w + 1.0 / 4.0
+        series = series * w + 1.0 / 3.0
+        series = series * w + 1.0 / 2.0
+        series = series * w + 1.0
+        return tl.where(uniform < 0.75, -_log(uniform, ASM), w * series)
 
     @triton.jit
     def _sample_chunk(
         LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART,
         stride_l, vocab, inv_temperature, chunk_len, chunks,
-        BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
+        BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, RATIO: tl.constexpr, ASM: tl.constexpr,
     ):
         """Program (row, chunk) over tokens [chunk * chunk_len, chunk * chunk_len + chunk_len): x = logits *
-        inv_temperature;
-        keeps max x, sum e^(x - max), and the best x + noise among the tokens not banned, its token and its x."""
+        inv_temperature; keeps, per lane, max x, sum e^(x - max) and the best token not banned, with its x; stores
+        the chunk's max, sum, best score and token and the token's x.
+
+        One exponential per token: e = e^-|x - max| is e^(x - max) when x <= max, else the factor that rescales the
+        sum (and the best below) to the new max. The best score is x + g, g = -log E the Gumbel noise (E = -log u,
+        _exponential; g = 0 greedy). RATIO (noise, no banned tokens): x + g > x_b + g_b is p / E > p_b / E_b with
+        p = e^(x - max), compared as p E_b > p_b E (p_b rescaled with the sum), so the noise takes one logarithm
+        per token (E's) and no division, and the lane's best score x_b - log E_b is taken once at the end. Not with
+        banned tokens: a banned token that is the lane's max would leave the others' p underflowed to 0 (x more
+        than ~87 below it, as at a low temperature), none of them a candidate."""
         r = tl.program_id(0)
         c = tl.program_id(1)
         row_logits = LOGITS + r.to(tl.int64) * stride_l  # 64-bit: rows x vocab may pass 2^31
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
         token = tl.zeros([BLOCK], tl.int32)
         picked = tl.zeros([BLOCK], tl.float32)
         if NOISE:
@@ -292,30 +301,49 @@ if triton is not None:
             step = tl.load(STEPS + r).to(tl.uint32)
             seed = tl.load(SEED).to(tl.uint32)
             row_hash = _fmix32(_fmix32(seed ^ key) + step * 0x9E3779B9)
+        if RATIO:
+            best_p = tl.zeros([BLOCK], tl.float32)  # the best's e^(x - max); 0: none yet
+            best_e = tl.full([BLOCK], 1.0, tl.float32)  # the best's E
+        else:
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
         if BAN:
             row_banned = tl.load(BANNED_ROWS + r) != 0
         for v0 in range(c * chunk_len, tl.minimum(c * chunk_len + chunk_len, vocab), BLOCK):
             v = v0 + tl.arange(0, BLOCK)
             inside = v < vocab
             x = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, x)
-            # a lane that has seen only -inf (past the vocabulary) rescales by a finite max: e^(-inf - -inf) is NaN
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            total = total * tl.exp(m - shift) + tl.exp(x - shift)
-            m = m_new
-            score = x
+            up = x > m
+            # -|x - m|; while m = -inf the sum and the best are 0, so any finite rescale will do, and x = -inf adds 0
+            e = tl.exp(-tl.abs(x - tl.where(m == float("-inf"), 0.0, m)))
+            rescale = tl.where(up, e, 1.0)
+            p = tl.where(up, 1.0, e)
+            total = total * rescale + p
+            m = tl.maximum(m, x)
+            allowed = inside
+            if BAN:
+                stop = tl.load(STOP + v, mask=inside, other=0) != 0
+                allowed = allowed & ~(stop & row_banned)
             if NOISE:
                 bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
                 uniform = (((bits >> 9) & 0x7FFFFF).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-                score = x + _gumbel(uniform, ASM)
-            if BAN:
-                stop = tl.load(STOP + v, mask=inside, other=0) != 0
-                score = tl.where(stop & row_banned, float("-inf"), score)
-            score = tl.where(inside, score, float("-inf"))
-            better = score > best  # strict: the earlier token wins a tie, as argmax
-            best = tl.where(better, score, best)
+                exponential = _exponential(uniform, ASM)
+            if RATIO:
+                best_p = best_p * rescale
+                p = tl.where(allowed, p, 0.0)
+                better = p * best_e > best_p * exponential  # strict: the earlier token wins a tie, as argmax
+                best_p = tl.where(better, p, best_p)
+                best_e = tl.where(better, exponential, best_e)
+            else:
+                score = x
+                if NOISE:
+                    score = x - _log(exponential, ASM)
+                score = tl.where(allowed, score, float("-inf"))
+                better = score > best  # strict: the earlier token wins a tie, as argmax
+                best = tl.where(better, score, best)
             token = tl.where(better, v, token)
             picked = tl.where(better, x, picked)
+        if RATIO:
+            best = tl.where(best_p > 0.0, picked - _log(best_e, ASM), float("-inf"))
         chunk_max = tl.max(m, 0)
         chunk_shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)  # a chunk of -inf logits only
         chunk_total = tl.sum(total * tl.exp(m - chunk_shift), 0)
@@ -400,7 +428,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     _sample_chunk[(rows, chunks)](
         logits, seed, keys, steps, stop, banned, parts[0], parts[1], parts[2], token_part, parts[3],
         logits.stride(0), vocab, 1.0 / temperature if temperature > 0 else 1.0, chunk, chunks,
-        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, ASM=_ptx(device),
+        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, RATIO=temperature > 0 and not ban, ASM=_ptx(device),
     )
     _merge_samples[(rows,)](parts[0], parts[1], parts[2], token_part, parts[3], tokens, logprobs, chunks,
                             CHUNK_ROWS=_next_power_of_two(chunks))

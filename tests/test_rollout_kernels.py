@@ -280,7 +280,7 @@ def test_engine_refuses_an_unknown_or_impossible_attention():
         NativeEngine(odd, 0, decode_kernels="triton").generate([[1, 2]], SamplingParams(max_new_tokens=2))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 0.05, 0.7, 1.0])
 @pytest.mark.parametrize("chunks", [0, 1, 3])
 @pytest.mark.parametrize("ban", [False, True])
 def test_sample_tokens_draws_as_the_pytorch_form(temperature, chunks, ban):
@@ -312,31 +312,82 @@ def test_sample_tokens_draws_as_the_pytorch_form(temperature, chunks, ban):
             assert stop[tokens.cpu()][~banned_rows].all()
 
 
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_sample_tokens_over_minus_inf_logits_and_at_a_low_temperature(temperature, chunks):
+    """-inf logits (a masked vocabulary) never picked and adding nothing to the log-softmax: a row whose first 2048
+    tokens (with 3 chunks, the whole first chunk) are -inf, one with every other token -inf, one with a single finite
+    token; at temperature 0.05 the scores spread over ~200, so most e^(x - max) underflow to 0 in float32: the
+    draw (compared as ratios of those exponentials) and the log-probs still as the PyTorch form's."""
+    rows, vocab = 4, 5000
+    gen = torch.Generator().manual_seed(chunks)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).bfloat16()
+    logits[0, :2048] = float("-inf")
+    logits[1, ::2] = float("-inf")
+    logits[2, :] = float("-inf")
+    logits[2, 3333] = 1.0
+    seed = torch.tensor([7], dtype=torch.int32)
+    keys, steps = torch.arange(rows), torch.full((rows,), 3)
+    want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, None,
+                                                   gumbel_noise(seed, keys, steps, vocab))
+    args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
+    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, chunks)
+    assert torch.equal(tokens.cpu(), want_tokens)
+    assert tokens[2].item() == 3333 and logprobs[2].item() == 0.0
+    assert torch.isfinite(logits[torch.arange(rows), tokens.cpu()]).all()
+    torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
+def test_a_banned_token_far_above_the_rest_does_not_hide_the_best_allowed_one(temperature):
+    """A banned stop token 10 above the best allowed token, which sits in the same lane of the kernel's tile (one
+    BLOCK_V later) and 40 above every other token: at temperature 0.05 the two are 200 apart (e^-200 is 0 in
+    float32), yet the draw is the allowed one, as the PyTorch form's (no noise value bridges 40 / 0.05)."""
+    vocab, stop_token = 5000, 7
+    best = stop_token + kernels.BLOCK_V
+    logits = torch.full((1, vocab), -40.0)
+    logits[0, stop_token], logits[0, best] = 10.0, 0.0
+    logits = logits.bfloat16()
+    stop = torch.zeros(vocab, dtype=torch.bool)
+    stop[stop_token] = True
+    seed, keys, steps = torch.tensor([1], dtype=torch.int32), torch.zeros(1, dtype=torch.long), torch.zeros(1)
+    want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, stop[None, :],
+                                                   gumbel_noise(seed, keys, steps, vocab))
+    assert want_tokens.item() == best
+    args = [t.to(DEVICE) for t in (logits, seed, keys, steps, stop, torch.ones(1, dtype=torch.bool))]
+    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:4], args[4], args[5], 1)
+    assert tokens.item() == best
+    torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=1e-5, rtol=1e-5)
+
+
 if kernels.triton is not None:
     tl = kernels.tl
 
     @kernels.triton.jit
-    def _gumbel_of(U, OUT, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    def _exponential_of(U, OUT, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(OUT + i, kernels._gumbel(tl.load(U + i, mask=i < n, other=0.5), ASM), mask=i < n)
+        tl.store(OUT + i, kernels._exponential(tl.load(U + i, mask=i < n, other=0.5), ASM), mask=i < n)
 
 
-def test_the_kernels_gumbel_noise_is_the_exact_one_within_a_few_ulp():
-    """The sampling kernel's -log(-log(u)) (series near u = 1, lg2.approx on a GPU) against float64 on the grid
-    sampling.gumbel_noise draws from: the 4096 points nearest 1 (the noise's largest values, where E = -log(u) is
-    tiny), the points around the series' switch at 1/2, the lowest and a random sample. Bound: E within ~2^-21
-    relative gives 2^-21 ~ 4.8e-7 in the noise, its float32 rounding at most 9.5e-7 (|noise| < 17), the outer log
-    1.1e-7: 2e-6."""
+def test_the_kernels_exponential_is_the_exact_one_within_a_few_ulp():
+    """The sampling kernel's E = -log(u) (series near u = 1, lg2.approx on a GPU), whose -log is the Gumbel noise,
+    against float64 on the grid sampling.gumbel_noise draws from: the 4096 points nearest 1 (the noise's largest
+    values, where E is tiny), the points around the series' switch at 3/4, the lowest and a random sample. A relative
+    error d of E is an error d in the noise. Bound, relative: the series (w = 1 - u <= 1/4) truncated after w^11/11,
+    < w^11 / 12 * 4/3 = 2.6e-8, and its eleven float32 roundings, each 2^-24 = 6e-8 weighted by a power of w
+    (~2.7 of them in all): 1.6e-7; lg2.approx (u < 3/4) 2^-22 * ln 2 = 1.65e-7 absolute in E >= log(4/3) = 0.288:
+    5.7e-7, and two float32 roundings: 7e-7; 1e-6 for both."""
     top = 2**23
     sample = torch.randint(0, top, (1 << 16,), generator=torch.Generator().manual_seed(0))
-    bins = torch.cat([torch.arange(top - 4096, top), torch.arange(top // 2 - 2048, top // 2 + 2048),
+    switch = 3 * top // 4
+    bins = torch.cat([torch.arange(top - 4096, top), torch.arange(switch - 2048, switch + 2048),
                       torch.arange(0, 2048), sample])
     uniform = (bins.double() + 0.5) * 2.0**-23
     out = torch.empty(len(bins), dtype=torch.float32, device=DEVICE)
-    _gumbel_of[(kernels._ceil_div(len(bins), 1024),)](uniform.float().to(DEVICE), out, len(bins), BLOCK=1024,
-                                                        ASM=kernels._ptx(torch.device(DEVICE)))
-    exact = -torch.log(-torch.log(uniform))
-    torch.testing.assert_close(out.cpu().double(), exact, atol=2e-6, rtol=0)
+    _exponential_of[(kernels._ceil_div(len(bins), 1024),)](uniform.float().to(DEVICE), out, len(bins), BLOCK=1024,
+                                                           ASM=kernels._ptx(torch.device(DEVICE)))
+    exact = -torch.log(uniform)
+    torch.testing.assert_close(out.cpu().double(), exact, rtol=1e-6, atol=0)
 
 
 def test_sample_chunks():
