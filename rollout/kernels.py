@@ -40,6 +40,11 @@ else:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_T = 64  # cached positions per inner tile
 BLOCK_V = 2048  # vocabulary entries per inner tile of sample_tokens
+# launch settings (Triton's defaults; bench/kernel_sweep.py times others)
+ATTENTION_PROGRAMS_PER_SM = 2  # decode_attention splits the positions until about this many programs per SM
+ATTENTION_WARPS = 4
+ATTENTION_STAGES = 3
+SAMPLE_WARPS = 4
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows: the query heads of a group are padded to this
 
 
@@ -429,6 +434,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
         logits, seed, keys, steps, stop, banned, parts[0], parts[1], parts[2], token_part, parts[3],
         logits.stride(0), vocab, 1.0 / temperature if temperature > 0 else 1.0, chunk, chunks,
         BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, RATIO=temperature > 0 and not ban, ASM=_ptx(device),
+        num_warps=SAMPLE_WARPS,
     )
     _merge_samples[(rows,)](parts[0], parts[1], parts[2], token_part, parts[3], tokens, logprobs, chunks,
                             CHUNK_ROWS=_next_power_of_two(chunks))
@@ -503,7 +509,7 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     if splits <= 0:
-        splits = split_count(batch, kv_heads, length, _programs(q.device))
+        splits = split_count(batch, kv_heads, length, _programs(q.device, ATTENTION_PROGRAMS_PER_SM))
     split_len, splits = _whole_tiles(length, splits, BLOCK_T)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
@@ -526,7 +532,7 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         head_dim ** -0.5, split_len, splits,
         HEADS=heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, _next_power_of_two(group)), HEAD_DIM=head_dim,
         ONE_SPLIT=splits == 1, MERGE=counters is not None, SPLIT_ROWS=_next_power_of_two(splits), BLOCK=BLOCK_T,
-        IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED,
+        IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
     )
     if splits > 1 and counters is None:
         _merge_splits[(batch, heads)](
