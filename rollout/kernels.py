@@ -40,11 +40,12 @@ else:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_T = 64  # cached positions per inner tile
 BLOCK_V = 2048  # vocabulary entries per inner tile of sample_tokens
-# launch settings (Triton's defaults; bench/kernel_sweep.py times others)
+# launch settings, chosen by bench/kernel_sweep.py on an H200 (bench/RESULTS.md)
 ATTENTION_PROGRAMS_PER_SM = 2  # decode_attention splits the positions until about this many programs per SM
 ATTENTION_WARPS = 4
-ATTENTION_STAGES = 3
+ATTENTION_STAGES = 2
 SAMPLE_WARPS = 4
+_LOG2_E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows: the query heads of a group are padded to this
 
 
@@ -245,113 +246,152 @@ if triton is not None:
         x = x * 0xC2B2AE35
         return x ^ (x >> 16)
 
+    _FLOOR = tl.constexpr(-3.0e38)  # sample_tokens: -inf logits (and the state before any token) as this floor
+
     @triton.jit
-    def _log(x, ASM: tl.constexpr):
-        """Natural log of float32 x > 0 by the GPU's lg2.approx (an absolute error of ~2^-22 in log2 of the
-        mantissa: relative 2^-22 where |log x| >= ln 2, absolute 2^-22 near 1); tl.log (libdevice's exact logf,
-        several times the instructions) under the interpreter, which runs no PTX."""
+    def _log2(x, ASM: tl.constexpr):
+        """log2 of float32 x > 0 by the GPU's lg2.approx.ftz (an absolute error of ~2^-22; subnormal x, which the
+        callers never pass, read as 0); tl.log2 under the interpreter, which runs no PTX."""
         if ASM:
-            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                             pack=1) * 0.6931471805599453
+            return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
         else:
-            return tl.log(x)
+            return tl.log2(x)
+
+    @triton.jit
+    def _exp2(x, ASM: tl.constexpr):
+        """2^x in float32 by the GPU's ex2.approx.ftz (~2 ulp; results below 2^-126 flushed to 0); tl.exp2 under
+        the interpreter."""
+        if ASM:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.exp2(x)
 
     @triton.jit
     def _exponential(uniform, ASM: tl.constexpr):
-        """E = -log(u) for u in (0, 1) on the grid of sampling.gumbel_noise (the Gumbel noise is -log E), within
-        1e-6 relative of float64 (tests/test_rollout_kernels.py derives the bound). The noise's largest values come
-        from u near 1, where lg2.approx's absolute error (2^-22 in log2) would be most of E: for u >= 3/4, with
-        w = 1 - u (exact), -log(1 - w) = sum_n w^n / n, eleven terms (truncation < 3e-8 relative at w = 1/4); for
-        u < 3/4, E > 0.287 and lg2.approx's error is < 6e-7 of it."""
+        """E = -log2(u) for u in (0, 1) on the grid of sampling.gumbel_noise: an exponential variable in units of
+        ln 2 (the Gumbel noise is -log(E ln 2)), within 1.5e-6 relative of float64 (tests/test_rollout_kernels.py
+        derives the bound). The noise's largest values come from u near 1, where lg2.approx's absolute error would
+        be most of E: for u >= 7/8, with w = 1 - u (exact), -log2(1 - w) = log2(e) sum_n w^n / n, seven terms
+        (truncation < 7e-8 relative at w = 1/8); for u < 7/8, E > 0.19 and lg2.approx's error is < 1.3e-6 of it."""
         w = 1.0 - uniform
-        series = 1.0 / 11.0
-        series = series * w + 1.0 / 10.0
-        series = series * w + 1.0 / 9.0
-        series = series * w + 1.0 / 8.0
-        series = series * w + 1.0 / 7.0
-        series = series * w + 1.0 / 6.0
-        series = series * w + 1.0 / 5.0
-        series = series * w + 1.0 / 4.0
-        series = series * w + 1.0 / 3.0
-        series = series * w + 1.0 / 2.0
-        series = series * w + 1.0
-        return tl.where(uniform < 0.75, -_log(uniform, ASM), w * series)
+        series = 1.4426950408889634 / 7.0
+        series = series * w + 1.4426950408889634 / 6.0
+        series = series * w + 1.4426950408889634 / 5.0
+        series = series * w + 1.4426950408889634 / 4.0
+        series = series * w + 1.4426950408889634 / 3.0
+        series = series * w + 1.4426950408889634 / 2.0
+        series = series * w + 1.4426950408889634
+        return tl.where(uniform < 0.875, -_log2(uniform, ASM), w * series)
+
+    @triton.jit
+    def _sample_tile(
+        row_logits, v, inside, scale, row_hash, row_banned, STOP, m, total, best, best_e, token, picked,
+        MASKED: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, RATIO: tl.constexpr, ASM: tl.constexpr,
+    ):
+        """One tile of _sample_chunk: tokens v (all inside the vocabulary unless MASKED, then `inside` says which)
+        folded into the lanes' state (m, total, best, best_e, token, picked), returned updated."""
+        if MASKED:
+            x = tl.load(row_logits + v, mask=inside, other=0.0).to(tl.float32) * scale
+            x = tl.where(inside, tl.maximum(x, _FLOOR), _FLOOR)
+        else:
+            x = tl.maximum(tl.load(row_logits + v).to(tl.float32) * scale, _FLOOR)  # -inf logits: _FLOOR
+        up = x > m
+        e = _exp2(-tl.abs(x - m), ASM)  # 2^(x - m) if x <= m, else the sum's rescale to the new max x
+        rescale = tl.where(up, e, 1.0)
+        p = tl.where(up, 1.0, e)
+        total = total * rescale + p
+        m = tl.maximum(m, x)
+        if MASKED:
+            allowed = inside
+        else:
+            allowed = v >= 0
+        if BAN:
+            stop = tl.load(STOP + v, mask=inside, other=0) != 0
+            allowed = allowed & ~(stop & row_banned)
+        if NOISE:
+            bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
+            # (k + 1/2) 2^-23 for the 23-bit k, as one exact fma
+            uniform = ((bits >> 9) & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
+            exponential = _exponential(uniform, ASM)
+        if RATIO:
+            best = best * rescale  # the best's 2^(x - m), rescaled with the sum
+            if MASKED:
+                p = tl.where(allowed, p, 0.0)
+            better = p * best_e > best * exponential  # strict: the earlier token wins a tie, as argmax
+            best = tl.where(better, p, best)
+            best_e = tl.where(better, exponential, best_e)
+        else:
+            score = x
+            if NOISE:
+                score = x - _log2(exponential, ASM)
+            score = tl.where(allowed, score, float("-inf"))
+            better = score > best  # strict: the earlier token wins a tie, as argmax
+            best = tl.where(better, score, best)
+        token = tl.where(better, v, token)
+        picked = tl.where(better, x, picked)
+        return m, total, best, best_e, token, picked
 
     @triton.jit
     def _sample_chunk(
         LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART,
-        stride_l, vocab, inv_temperature, chunk_len, chunks,
+        stride_l, vocab, scale, chunk_len, chunks,
         BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, RATIO: tl.constexpr, ASM: tl.constexpr,
     ):
-        """Program (row, chunk) over tokens [chunk * chunk_len, chunk * chunk_len + chunk_len): x = logits *
-        inv_temperature; keeps, per lane, max x, sum e^(x - max) and the best token not banned, with its x; stores
-        the chunk's max, sum, best score and token and the token's x.
+        """Program (row, chunk) over tokens [chunk * chunk_len, chunk * chunk_len + chunk_len) (chunk_len a
+        multiple of BLOCK): x = logits * scale (scale = log2(e) / temperature: base-2 units throughout, so that
+        2^x is one ex2); keeps, per lane, max x, sum 2^(x - max) and the best token not banned, with its x; stores
+        the chunk's max, sum, best score and token and the token's x. Whole tiles unmasked, then the vocabulary's
+        last partial tile masked. -inf logits count as _FLOOR: 2^(_FLOOR - max) is 0 beside any real logit.
 
-        One exponential per token: e = e^-|x - max| is e^(x - max) when x <= max, else the factor that rescales the
-        sum (and the best below) to the new max. The best score is x + g, g = -log E the Gumbel noise (E = -log u,
-        _exponential; g = 0 greedy). RATIO (noise, no banned tokens): x + g > x_b + g_b is p / E > p_b / E_b with
-        p = e^(x - max), compared as p E_b > p_b E (p_b rescaled with the sum), so the noise takes one logarithm
-        per token (E's) and no division, and the lane's best score x_b - log E_b is taken once at the end. Not with
-        banned tokens: a banned token that is the lane's max would leave the others' p underflowed to 0 (x more
-        than ~87 below it, as at a low temperature), none of them a candidate."""
+        One exponential per token: e = 2^-|x - max| is 2^(x - max) when x <= max, else the factor that rescales
+        the sum (and the best below) to the new max. The best score is x + g, g = -log2(E) the Gumbel noise in
+        base-2 units (E from _exponential; up to a constant shared by every token; g = 0 greedy). RATIO (noise, no
+        banned tokens): x + g > x_b + g_b is p / E > p_b / E_b with p = 2^(x - max), compared as p E_b > p_b E
+        (p_b rescaled with the sum), so the noise takes one logarithm per token (E's) and no division, and the
+        lane's best score x_b - log2 E_b is taken once at the end. Not with banned tokens: a banned token that is
+        the lane's max would leave the others' p underflowed to 0 (x more than ~126 below it, as at a low
+        temperature), none of them a candidate."""
         r = tl.program_id(0)
         c = tl.program_id(1)
         row_logits = LOGITS + r.to(tl.int64) * stride_l  # 64-bit: rows x vocab may pass 2^31
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        m = tl.full([BLOCK], _FLOOR, tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
         token = tl.zeros([BLOCK], tl.int32)
         picked = tl.zeros([BLOCK], tl.float32)
+        best_e = tl.full([BLOCK], 1.0, tl.float32)  # the best's E (RATIO only)
+        if RATIO:
+            best = tl.zeros([BLOCK], tl.float32)  # the best's 2^(x - max); 0: none yet
+        else:
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
+        row_hash = tl.zeros([], tl.uint32)
         if NOISE:
             key = tl.load(KEYS + r).to(tl.uint32)
             step = tl.load(STEPS + r).to(tl.uint32)
             seed = tl.load(SEED).to(tl.uint32)
             row_hash = _fmix32(_fmix32(seed ^ key) + step * 0x9E3779B9)
-        if RATIO:
-            best_p = tl.zeros([BLOCK], tl.float32)  # the best's e^(x - max); 0: none yet
-            best_e = tl.full([BLOCK], 1.0, tl.float32)  # the best's E
-        else:
-            best = tl.full([BLOCK], float("-inf"), tl.float32)
+        row_banned = False
         if BAN:
             row_banned = tl.load(BANNED_ROWS + r) != 0
-        for v0 in range(c * chunk_len, tl.minimum(c * chunk_len + chunk_len, vocab), BLOCK):
-            v = v0 + tl.arange(0, BLOCK)
-            inside = v < vocab
-            x = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
-            up = x > m
-            # -|x - m|; while m = -inf the sum and the best are 0, so any finite rescale will do, and x = -inf adds 0
-            e = tl.exp(-tl.abs(x - tl.where(m == float("-inf"), 0.0, m)))
-            rescale = tl.where(up, e, 1.0)
-            p = tl.where(up, 1.0, e)
-            total = total * rescale + p
-            m = tl.maximum(m, x)
-            allowed = inside
-            if BAN:
-                stop = tl.load(STOP + v, mask=inside, other=0) != 0
-                allowed = allowed & ~(stop & row_banned)
-            if NOISE:
-                bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
-                uniform = (((bits >> 9) & 0x7FFFFF).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-                exponential = _exponential(uniform, ASM)
-            if RATIO:
-                best_p = best_p * rescale
-                p = tl.where(allowed, p, 0.0)
-                better = p * best_e > best_p * exponential  # strict: the earlier token wins a tie, as argmax
-                best_p = tl.where(better, p, best_p)
-                best_e = tl.where(better, exponential, best_e)
-            else:
-                score = x
-                if NOISE:
-                    score = x - _log(exponential, ASM)
-                score = tl.where(allowed, score, float("-inf"))
-                better = score > best  # strict: the earlier token wins a tie, as argmax
-                best = tl.where(better, score, best)
-            token = tl.where(better, v, token)
-            picked = tl.where(better, x, picked)
+        start = c * chunk_len
+        end = tl.minimum(start + chunk_len, vocab)
+        whole = tl.minimum(start + chunk_len, vocab // BLOCK * BLOCK)
+        lanes = tl.arange(0, BLOCK)
+        for v0 in range(start, whole, BLOCK):
+            v = tl.max_contiguous(tl.multiple_of(v0 + lanes, BLOCK), BLOCK)  # v0 is a multiple of BLOCK
+            m, total, best, best_e, token, picked = _sample_tile(
+                row_logits, v, lanes >= 0, scale, row_hash, row_banned, STOP, m, total, best, best_e, token, picked,
+                False, NOISE, BAN, RATIO, ASM)
+        if whole < end:  # the vocabulary's last, partial tile
+            v = whole + lanes
+            m, total, best, best_e, token, picked = _sample_tile(
+                row_logits, v, v < end, scale, row_hash, row_banned, STOP, m, total, best, best_e, token, picked,
+                True, NOISE, BAN, RATIO, ASM)
         if RATIO:
-            best = tl.where(best_p > 0.0, picked - _log(best_e, ASM), float("-inf"))
+            best = tl.where(best > 0.0, picked - _log2(best_e, ASM), float("-inf"))
         chunk_max = tl.max(m, 0)
-        chunk_shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)  # a chunk of -inf logits only
-        chunk_total = tl.sum(total * tl.exp(m - chunk_shift), 0)
+        chunk_total = tl.sum(total * tl.exp2(m - chunk_max), 0)
         chunk_best = tl.max(best, 0)
         # the lowest token among the lanes holding the chunk's best score
         lane = tl.min(tl.where(best == chunk_best, token, 2147483647), 0)
@@ -368,7 +408,8 @@ if triton is not None:
         M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, chunks,
         CHUNK_ROWS: tl.constexpr,
     ):
-        """Program (row): the token of the best chunk (the first on a tie) and its x - logsumexp(x)."""
+        """Program (row): the token of the best chunk (the first on a tie) and its log-prob, (x - log2(sum_v
+        2^x_v)) ln 2 (the chunks' x in base-2 units)."""
         r = tl.program_id(0)
         c = tl.arange(0, CHUNK_ROWS)
         used = c < chunks
@@ -379,12 +420,12 @@ if triton is not None:
         token = tl.load(TOKEN_PART + i, mask=used, other=2147483647)
         picked = tl.load(PICKED_PART + i, mask=used, other=0.0)
         top = tl.max(m, 0)
-        lse = top + tl.log(tl.sum(total * tl.exp(m - top), 0))
+        lse = top + tl.log2(tl.sum(total * tl.exp2(m - top), 0))
         row_best = tl.max(best, 0)
         chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
         at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
         tl.store(TOKENS + r, chosen.to(tl.int64))
-        tl.store(LOGPROBS + r, at - lse)
+        tl.store(LOGPROBS + r, (at - lse) * 0.6931471805599453)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -432,7 +473,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     banned = banned_rows if ban else tokens
     _sample_chunk[(rows, chunks)](
         logits, seed, keys, steps, stop, banned, parts[0], parts[1], parts[2], token_part, parts[3],
-        logits.stride(0), vocab, 1.0 / temperature if temperature > 0 else 1.0, chunk, chunks,
+        logits.stride(0), vocab, _LOG2_E / temperature if temperature > 0 else _LOG2_E, chunk, chunks,
         BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, RATIO=temperature > 0 and not ban, ASM=_ptx(device),
         num_warps=SAMPLE_WARPS,
     )
