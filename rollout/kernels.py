@@ -39,12 +39,12 @@ else:
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_T = 64  # cached positions per inner tile
-BLOCK_V = 2048  # vocabulary entries per inner tile of sample_tokens
+BLOCK_V = 1024  # vocabulary entries per inner tile of sample_tokens
 # launch settings, chosen by bench/kernel_sweep.py on an H200 (bench/RESULTS.md)
 ATTENTION_PROGRAMS_PER_SM = 2  # decode_attention splits the positions until about this many programs per SM
 ATTENTION_WARPS = 4
 ATTENTION_STAGES = 2
-SAMPLE_WARPS = 4
+SAMPLE_WARPS = 8
 _LOG2_E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows: the query heads of a group are padded to this
 
@@ -443,9 +443,9 @@ def sample_chunks(rows: int, vocab: int, programs: int) -> int:
     return _part_count(vocab, BLOCK_V, rows, programs)
 
 
-# sample_tokens' programs per SM: on an H200 8 chunks per row at 256 rows (16 per SM) took 158 us where 2 (2 per SM)
-# took 169, and 16-32 chunks at 64 rows 46 us where 5 took 53 (bench/sample_kernel.py)
-SAMPLE_PROGRAMS_PER_SM = 16
+# sample_tokens' programs per SM: with BLOCK_V and SAMPLE_WARPS, the setting bench/kernel_sweep.py found best over
+# 64 and 256 rows on an H200 (23.6 and 78.4 us; bench/RESULTS.md)
+SAMPLE_PROGRAMS_PER_SM = 8
 
 
 def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,

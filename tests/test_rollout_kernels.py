@@ -400,13 +400,17 @@ def test_the_kernels_exponential_is_the_exact_one_within_a_few_ulp():
 
 
 def test_sample_chunks():
-    # 64 rows want 4 chunks for 256 programs; 151936 tokens are 75 tiles of 2048
+    # 64 rows want 4 chunks for 256 programs; one row as many as its tiles (fewer than 256 of them)
+    tiles = -(-151936 // kernels.BLOCK_V)
     assert kernels.sample_chunks(64, 151936, 256) == 4
-    assert kernels.sample_chunks(1, 151936, 256) == 75
+    assert kernels.sample_chunks(1, 151936, 256) == min(tiles, 256)
     assert kernels.sample_chunks(256, 151936, 264) == 2
-    # the engine's count on an H200 (132 SMs): 2112 programs for 256 rows, 9 chunks of 9 tiles (the last one 2.2)
-    assert kernels.sample_chunks(256, 151936, 132 * kernels.SAMPLE_PROGRAMS_PER_SM) == 9
-    assert kernels._whole_tiles(151936, 9, kernels.BLOCK_V) == (9 * 2048, 9)
+    # the engine's count on an H200 (132 SMs) for 256 rows, in whole tiles
+    programs = 132 * kernels.SAMPLE_PROGRAMS_PER_SM
+    chunks = -(-programs // 256)
+    assert kernels.sample_chunks(256, 151936, programs) == chunks
+    length = math.ceil(math.ceil(151936 / chunks) / kernels.BLOCK_V) * kernels.BLOCK_V
+    assert kernels._whole_tiles(151936, chunks, kernels.BLOCK_V) == (length, -(-151936 // length))
     assert kernels.sample_chunks(8, 1000, 256) == 1
 
 
