@@ -199,40 +199,43 @@ if triton is not None:
                 tl.debug_barrier()
                 counter = COUNTERS + b * (HEADS // GROUP) + kvh
                 if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-                    i = tl.arange(0, SPLIT_ROWS)
-                    used = real[:, None] & (i[None, :] < splits)
-                    rows = (b * HEADS + head)[:, None] * splits + i[None, :]  # [GROUP_ROWS, SPLIT_ROWS]
-                    m_all = tl.load(M_PART + rows, mask=used, other=float("-inf"), cache_modifier=".cg")
-                    l_all = tl.load(L_PART + rows, mask=used, other=0.0, cache_modifier=".cg")
-                    acc_all = tl.load(ACC_PART + rows[:, :, None] * HEAD_DIM + d[None, None, :],
-                                      mask=used[:, :, None], other=0.0, cache_modifier=".cg")
-                    top = tl.max(m_all, 1)
-                    weight = tl.where(used, tl.exp(m_all - tl.where(real, top, 0.0)[:, None]), 0.0)
-                    total = tl.where(real, tl.sum(l_all * weight, 1), 1.0)
-                    out = tl.sum(acc_all * weight[:, :, None], 1) / total[:, None]
+                    out = _merge_partials(M_PART, L_PART, ACC_PART, b * HEADS + head, real, splits, d, HEAD_DIM,
+                                          SPLIT_ROWS, ".cg")
                     tl.store(OUT + b * stride_ob + head[:, None] * stride_oh + d[None, :],
                              out.to(OUT.dtype.element_ty), mask=real[:, None])
                     tl.atomic_xchg(counter, 0)
+
+    @triton.jit
+    def _merge_partials(M_PART, L_PART, ACC_PART, heads, real, splits, d, HEAD_DIM: tl.constexpr,
+                        SPLIT_ROWS: tl.constexpr, CACHE: tl.constexpr):
+        """[R, HEAD_DIM] outputs of the R (slot, query head) rows `heads` (b * HEADS + h; `real` marks the rows
+        that exist) from their splits' partials: sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the splits
+        i (M = max m_i; a split past the slot's live length has m = -inf and weighs 0; split 0 always holds
+        position 0). CACHE: the loads' cache modifier."""
+        i = tl.arange(0, SPLIT_ROWS)
+        used = real[:, None] & (i[None, :] < splits)
+        rows = heads[:, None] * splits + i[None, :]  # [R, SPLIT_ROWS]
+        m = tl.load(M_PART + rows, mask=used, other=float("-inf"), cache_modifier=CACHE)
+        denom = tl.load(L_PART + rows, mask=used, other=0.0, cache_modifier=CACHE)
+        acc = tl.load(ACC_PART + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=used[:, :, None], other=0.0,
+                      cache_modifier=CACHE)
+        top = tl.where(real, tl.max(m, 1), 0.0)  # rows that do not exist: all -inf, no NaN
+        weight = tl.where(used, tl.exp(m - top[:, None]), 0.0)
+        total = tl.where(real, tl.sum(denom * weight, 1), 1.0)
+        return tl.sum(acc * weight[:, :, None], 1) / total[:, None]
 
     @triton.jit
     def _merge_splits(
         M_PART, L_PART, ACC_PART, OUT, stride_ob, stride_oh, splits,
         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_ROWS: tl.constexpr,
     ):
-        """Program (b, head): out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the splits i (M = max m_i;
-        a split past the slot's live length has m = -inf and weighs 0; split 0 always holds position 0)."""
+        """Program (b, head): the head's output from its splits' partials (_merge_partials over one row)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        i = tl.arange(0, SPLIT_ROWS)
         d = tl.arange(0, HEAD_DIM)
-        used = i < splits
-        row = (b * HEADS + h) * splits + i
-        m = tl.load(M_PART + row, mask=used, other=float("-inf"))
-        denom = tl.load(L_PART + row, mask=used, other=0.0)
-        acc = tl.load(ACC_PART + row[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
-        weight = tl.where(used, tl.exp(m - tl.max(m, 0)), 0.0)
-        out = tl.sum(acc * weight[:, None], 0) / tl.sum(denom * weight, 0)
-        tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+        row = tl.full([1], 0, tl.int32) + b * HEADS + h
+        out = _merge_partials(M_PART, L_PART, ACC_PART, row, row >= 0, splits, d, HEAD_DIM, SPLIT_ROWS, "")
+        tl.store(OUT + b * stride_ob + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty))
 
 
 if triton is not None:
