@@ -11,11 +11,11 @@ every slot.
 sample_tokens: the next token of every row by Gumbel-max with rollout/sampling.py's counter-based noise, and its
 log-prob, in one pass over the [R, V] logits as they come from the LM head (bfloat16): each program takes a chunk of
 a row's vocabulary and keeps the running max and sum of exponentials (the log-softmax normaliser) and the best noisy
-score with its token; a second small kernel merges the chunks. Its noise's logarithms run on the GPU's
-approximate log2 where that stays within a few float32 steps of the exact noise (_exponential): the same draw but
-for near-ties. The PyTorch form of the draw
-(sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate passes. No
-top-k / top-p: with those the engine keeps the PyTorch form.
+score with its token, in base-2 units with one exponential and one logarithm (the noise's) per token; a second small
+kernel merges the chunks. The logarithms and exponentials run on the GPU's approximate ex2/lg2 where that stays
+within a few float32 steps of the exact noise (_exponential): the same draw but for near-ties. The PyTorch form of
+the draw (sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate
+passes. No top-k / top-p: with those the engine keeps the PyTorch form.
 
 The kernels run on CUDA tensors; with TRITON_INTERPRET=1 set before this module is imported they also run, slowly,
 on CPU tensors (the tests check them that way against a plain softmax(q k^T) v). Without Triton, `available()`
