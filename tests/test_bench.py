@@ -76,3 +76,33 @@ def test_attention_kernel_bench_compares_another_kernels_file(tmp_path):
         assert proc.returncode == 0, explain(proc)
         [row] = [line for line in proc.stdout.splitlines() if line.startswith("| tiny | 3 |")]
         assert row.endswith(f"| {verdict} |"), row
+
+
+def test_kernel_sweep_times_each_setting_and_restores_the_defaults(capsys):
+    """bench/kernel_sweep.py's sweep on CPU (Triton's interpreter): the defaults' row first, one row per other
+    setting, outputs checked against the defaults' ("yes"), a setting Triton cannot build (a tile of 3 tokens: not
+    a power of two) reported as failed without stopping the sweep, and the module's constants as they were after."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import kernel_sweep
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import torch
+
+    from rollout import kernels
+
+    before = kernels.BLOCK_V, kernels.SAMPLE_WARPS
+    logits = (torch.randn(3, 3000, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    seed, keys, steps = torch.tensor([5], dtype=torch.int32), torch.arange(3), torch.zeros(3, dtype=torch.long)
+
+    def make_call():
+        return lambda: kernels.sample_tokens_impl(logits, 1.0, seed, keys, steps, None, None)
+
+    space = {"BLOCK_V": [256, 3, kernels.BLOCK_V], "SAMPLE_WARPS": [kernels.SAMPLE_WARPS]}
+    kernel_sweep.sweep(kernels, space, make_call, lambda out, want: torch.equal(out[0], want[0]), "tiny", cuda=False)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 3, rows
+    assert f"BLOCK_V={kernels.BLOCK_V} SAMPLE_WARPS={kernels.SAMPLE_WARPS} (defaults)" in rows[0]
+    assert "BLOCK_V=256" in rows[1] and rows[1].endswith("| yes |"), rows[1]
+    assert "BLOCK_V=3" in rows[2] and "| failed:" in rows[2], rows[2]
+    assert (kernels.BLOCK_V, kernels.SAMPLE_WARPS) == before
