@@ -75,8 +75,8 @@ def _whole_tiles(total: int, parts: int, tile: int) -> tuple[int, int]:
 
 
 def split_count(batch: int, kv_heads: int, length: int, programs: int) -> int:
-    """Splits of the positions per (slot, key/value head): enough programs for about `programs` (two per SM), each
-    split at least one BLOCK_T tile."""
+    """Splits of the positions per (slot, key/value head): enough programs for about `programs`
+    (ATTENTION_PROGRAMS_PER_SM per SM in decode_attention), each split at least one BLOCK_T tile."""
     return _part_count(length, BLOCK_T, batch * kv_heads, programs)
 
 
@@ -142,7 +142,8 @@ if triton is not None:
         end = tl.minimum(start + split_len, pos)  # cached positions only: the new one comes from registers
         k_base = K + b * stride_ks + kvh * stride_kh
         v_base = V + b * stride_vs + kvh * stride_vh
-        # the new key (rotated) and value loaded and written by the owner before the loop, their latency under it
+        # the new key (rotated) and value, loaded by every program (a few hundred bytes) and written into the cache
+        # by the owner, before the loop
         owner = split == tl.minimum(pos // split_len, splits - 1)
         k_new = K_NEW + b * stride_knb + kvh * stride_knh
         key = _rotate_half(tl.load(k_new + d), tl.load(k_new + partner), cos, sin, sign).to(K.dtype.element_ty)
@@ -296,23 +297,25 @@ if triton is not None:
         """One tile of _sample_chunk: tokens v (all inside the vocabulary unless MASKED, then `inside` says which)
         folded into the lanes' state (m, total, best, best_e, token, picked), returned updated."""
         if MASKED:
-            x = tl.load(row_logits + v, mask=inside, other=0.0).to(tl.float32) * scale
-            x = tl.where(inside, tl.maximum(x, _FLOOR), _FLOOR)
+            logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
         else:
-            x = tl.maximum(tl.load(row_logits + v).to(tl.float32) * scale, _FLOOR)  # -inf logits: _FLOOR
+            logit = tl.load(row_logits + v).to(tl.float32)
+        # -inf logits (and padding) as _FLOOR; a NaN logit stays NaN, so the row's log-prob is NaN as PyTorch's
+        x = tl.maximum(logit * scale, _FLOOR, propagate_nan=tl.PropagateNan.ALL)
         up = x > m
         e = _exp2(-tl.abs(x - m), ASM)  # 2^(x - m) if x <= m, else the sum's rescale to the new max x
         rescale = tl.where(up, e, 1.0)
         p = tl.where(up, 1.0, e)
         total = total * rescale + p
         m = tl.maximum(m, x)
-        if MASKED:
-            allowed = inside
-        else:
-            allowed = v >= 0
         if BAN:
-            stop = tl.load(STOP + v, mask=inside, other=0) != 0
-            allowed = allowed & ~(stop & row_banned)
+            if MASKED:
+                stop = tl.load(STOP + v, mask=inside, other=0) != 0
+                allowed = inside & ~(stop & row_banned)
+            else:
+                allowed = ~((tl.load(STOP + v) != 0) & row_banned)
+        elif MASKED:
+            allowed = inside
         if NOISE:
             bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
             # (k + 1/2) 2^-23 for the 23-bit k, as one exact fma
@@ -326,10 +329,14 @@ if triton is not None:
             best = tl.where(better, p, best)
             best_e = tl.where(better, exponential, best_e)
         else:
-            score = x
             if NOISE:
                 score = x - _log2(exponential, ASM)
-            score = tl.where(allowed, score, float("-inf"))
+            else:
+                score = logit  # greedy: the logit itself (x rounds neighbouring float32 logits together)
+            if BAN:
+                score = tl.where(allowed, score, float("-inf"))
+            elif MASKED:
+                score = tl.where(allowed, score, float("-inf"))
             better = score > best  # strict: the earlier token wins a tie, as argmax
             best = tl.where(better, score, best)
         token = tl.where(better, v, token)
@@ -350,12 +357,13 @@ if triton is not None:
 
         One exponential per token: e = 2^-|x - max| is 2^(x - max) when x <= max, else the factor that rescales
         the sum (and the best below) to the new max. The best score is x + g, g = -log2(E) the Gumbel noise in
-        base-2 units (E from _exponential; up to a constant shared by every token; g = 0 greedy). RATIO (noise, no
+        base-2 units (E from _exponential; up to a constant shared by every token); greedy, the logit itself (x
+        would round neighbouring float32 logits to one value: argmax must still tell them apart). RATIO (noise, no
         banned tokens): x + g > x_b + g_b is p / E > p_b / E_b with p = 2^(x - max), compared as p E_b > p_b E
         (p_b rescaled with the sum), so the noise takes one logarithm per token (E's) and no division, and the
         lane's best score x_b - log2 E_b is taken once at the end. Not with banned tokens: a banned token that is
         the lane's max would leave the others' p underflowed to 0 (x more than ~126 below it, as at a low
-        temperature), none of them a candidate."""
+        temperature), none of them a candidate. A NaN logit makes the row's sum, so its log-prob, NaN."""
         r = tl.program_id(0)
         c = tl.program_id(1)
         row_logits = LOGITS + r.to(tl.int64) * stride_l  # 64-bit: rows x vocab may pass 2^31
@@ -428,7 +436,8 @@ if triton is not None:
         chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
         at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
         tl.store(TOKENS + r, chosen.to(tl.int64))
-        tl.store(LOGPROBS + r, (at - lse) * 0.6931471805599453)
+        # a row of -inf logits only (its sum counts floors): NaN, as PyTorch's log-softmax gives
+        tl.store(LOGPROBS + r, tl.where(top > _FLOOR, (at - lse) * 0.6931471805599453, float("nan")))
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:

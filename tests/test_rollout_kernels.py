@@ -281,12 +281,13 @@ def test_engine_refuses_an_unknown_or_impossible_attention():
 
 
 def logprob_tolerance(logits: torch.Tensor, temperature: float) -> float:
-    """Log-probs of the kernel against the PyTorch form's: each rounds the scaled logits x = logits / T (the kernel
-    x log2(e) / T) to float32 once, 2^-24 relative of max |x|, and the log-softmax's difference of x and the
-    normaliser takes two such errors from each side: 4 * 2^-24 max |x|, plus 1e-5 for the sums' roundings."""
+    """Log-probs of the kernel against the PyTorch form's, in natural units: each side rounds the scaled logits x =
+    logits / T to float32 (the kernel x log2(e) / T, its scale rounded too) and its normaliser max + log(sum) (the
+    kernel's also x ln 2 at the end): about six roundings of 2^-24 max |x| in all; 8 of them, plus 1e-5 for the
+    sums' roundings."""
     finite = logits.float()[torch.isfinite(logits.float())]
-    scaled = finite.abs().max().item() * math.log2(math.e) / (temperature if temperature > 0 else 1.0)
-    return 1e-5 + 4 * 2.0**-24 * scaled
+    scaled = finite.abs().max().item() / (temperature if temperature > 0 else 1.0)
+    return 1e-5 + 8 * 2.0**-24 * scaled
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05, 0.7, 1.0])
@@ -326,7 +327,7 @@ def test_sample_tokens_draws_as_the_pytorch_form(temperature, chunks, ban):
 def test_sample_tokens_over_minus_inf_logits_and_at_a_low_temperature(temperature, chunks):
     """-inf logits (a masked vocabulary) never picked and adding nothing to the log-softmax: a row whose first 2048
     tokens (with 3 chunks, the whole first chunk) are -inf, one with every other token -inf, one with a single finite
-    token; at temperature 0.05 the scores spread over ~200, so most e^(x - max) underflow to 0 in float32: the
+    token; at temperature 0.05 the scores spread over ~400, so most 2^(x - max) underflow to 0 in float32: the
     draw (compared as ratios of those exponentials) and the log-probs still as the PyTorch form's."""
     rows, vocab = 4, 5000
     gen = torch.Generator().manual_seed(chunks)
@@ -369,6 +370,61 @@ def test_a_banned_token_far_above_the_rest_does_not_hide_the_best_allowed_one(te
     torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
 
 
+@pytest.mark.parametrize("vocab", [300, 2048])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sample_tokens_over_a_vocabulary_below_one_tile_and_of_whole_tiles(vocab, temperature):
+    """The kernel's two loops (whole tiles unmasked, then the vocabulary's last partial tile): a vocabulary smaller
+    than one tile (the masked tile only) and one of exactly two tiles of 1024 (no partial tile), as the PyTorch
+    form draws, with 1 and 2 chunks."""
+    rows = 5
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 3).bfloat16()
+    seed, keys, steps = torch.tensor([3], dtype=torch.int32), torch.arange(rows), torch.full((rows,), 9)
+    noise = gumbel_noise(seed, keys, steps, vocab) if temperature > 0 else None
+    want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, None, noise)
+    for chunks in (1, 2):
+        args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
+        tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, chunks)
+        assert torch.equal(tokens.cpu(), want_tokens)
+        torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
+
+
+def test_greedy_tells_neighbouring_float32_logits_apart():
+    """float32 logits one step apart whose products with log2(e) round to one float32 (the kernel's base-2 x would
+    tie them): greedy picks the larger, as torch.argmax, in either order."""
+    scale = torch.tensor(math.log2(math.e))
+    low = torch.tensor(1.5)
+    while low * scale != torch.nextafter(low, torch.tensor(2.0)) * scale:  # about every other pair above 1.39
+        low = torch.nextafter(low, torch.tensor(2.0))
+    high = torch.nextafter(low, torch.tensor(2.0))
+    logits = torch.full((2, 3000), -1.0)
+    logits[0, 100], logits[0, 2500] = low, high
+    logits[1, 100], logits[1, 2500] = high, low
+    seed, keys, steps = torch.tensor([0], dtype=torch.int32), torch.arange(2), torch.zeros(2, dtype=torch.long)
+    tokens, _ = kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, seed.to(DEVICE), keys.to(DEVICE), steps.to(DEVICE),
+                                           None, None, 1)
+    assert tokens.tolist() == [2500, 100] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_nan_logit_or_a_row_of_minus_inf_gives_a_nan_logprob(temperature):
+    """Degenerate rows are not hidden: a row holding one NaN logit (a diverged policy) and a row of -inf logits only
+    get NaN log-probs, as PyTorch's log-softmax gives; the other rows' draws are untouched."""
+    rows, vocab = 3, 3000
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    logits[0, 1234] = float("nan")
+    logits[1] = float("-inf")
+    seed, keys, steps = torch.tensor([3], dtype=torch.int32), torch.arange(rows), torch.zeros(rows, dtype=torch.long)
+    noise = gumbel_noise(seed, keys, steps, vocab) if temperature > 0 else None
+    want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, None, noise)
+    assert want_logprobs[:2].isnan().all()
+    args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
+    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, 2)
+    assert logprobs[:2].isnan().all()
+    assert tokens[2].item() == want_tokens[2].item()
+    torch.testing.assert_close(logprobs[2:].cpu(), want_logprobs[2:], atol=logprob_tolerance(logits[2:], temperature),
+                               rtol=0)
+
+
 if kernels.triton is not None:
     tl = kernels.tl
 
@@ -401,16 +457,16 @@ def test_the_kernels_exponential_is_the_exact_one_within_a_few_ulp():
 
 def test_sample_chunks():
     # 64 rows want 4 chunks for 256 programs; one row as many as its tiles (fewer than 256 of them)
-    tiles = -(-151936 // kernels.BLOCK_V)
-    assert kernels.sample_chunks(64, 151936, 256) == 4
-    assert kernels.sample_chunks(1, 151936, 256) == min(tiles, 256)
-    assert kernels.sample_chunks(256, 151936, 264) == 2
-    # the engine's count on an H200 (132 SMs) for 256 rows, in whole tiles
-    programs = 132 * kernels.SAMPLE_PROGRAMS_PER_SM
-    chunks = -(-programs // 256)
-    assert kernels.sample_chunks(256, 151936, programs) == chunks
-    length = math.ceil(math.ceil(151936 / chunks) / kernels.BLOCK_V) * kernels.BLOCK_V
-    assert kernels._whole_tiles(151936, chunks, kernels.BLOCK_V) == (length, -(-151936 // length))
+    assert kernels._part_count(151936, 1024, 64, 256) == 4
+    assert kernels._part_count(151936, 1024, 1, 256) == 149
+    assert kernels._part_count(151936, 2048, 1, 256) == 75
+    assert kernels._part_count(151936, 1024, 256, 264) == 2
+    # 1056 programs (8 per SM on 132 SMs) for 256 rows: 5 chunks of 30 whole tiles of 1024 (the last one 28.4)
+    assert kernels._part_count(151936, 1024, 256, 1056) == 5
+    assert kernels._whole_tiles(151936, 5, 1024) == (30 * 1024, 5)
+    assert kernels._whole_tiles(151936, 9, 2048) == (9 * 2048, 9)
+    # sample_chunks is that count at the kernel's tile
+    assert kernels.sample_chunks(256, 151936, 1056) == kernels._part_count(151936, kernels.BLOCK_V, 256, 1056)
     assert kernels.sample_chunks(8, 1000, 256) == 1
 
 
