@@ -31,7 +31,6 @@ sys.path.append(str(ROOT / "bench"))  # after the root: bench/rollout.py must no
 ATTENTION = {"BLOCK_T": [32, 64, 128], "ATTENTION_WARPS": [2, 4, 8], "ATTENTION_STAGES": [2, 3],
              "ATTENTION_PROGRAMS_PER_SM": [2, 4, 8]}
 SAMPLING = {"BLOCK_V": [512, 1024, 2048, 4096], "SAMPLE_WARPS": [4, 8, 16], "SAMPLE_PROGRAMS_PER_SM": [4, 8, 16]}
-VOCAB = 151936
 
 
 def settings(space: dict, cpu: bool):
@@ -66,10 +65,10 @@ def registers(kernel) -> str:
     return f"{getattr(variants[-1], 'n_regs', '?')} / {getattr(variants[-1], 'n_spills', '?')}"
 
 
-def sweep(kernels, space: dict, make_call, check, label: str, cuda: bool) -> None:
-    """Time make_call() under every setting of `space` set on the module (restored after), the defaults first."""
+def sweep(kernels, kernel, space: dict, make_call, check, label: str, cuda: bool) -> None:
+    """Time make_call() under every setting of `space` set on the module (restored after), the defaults first;
+    kernel: the module's jitted kernel whose compiled variant each row reports."""
     defaults = {name: getattr(kernels, name) for name in space}
-    kernel = kernels._attend_split if "BLOCK_T" in space else kernels._sample_chunk
     want = make_call()()
     rows = []
     for setting in [defaults] + [s for s in settings(space, not cuda) if s != defaults]:
@@ -104,6 +103,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before rollout.kernels is imported
     import torch
     from attention_kernel import MODELS, inputs
+    from sample_kernel import VOCAB, sample_inputs
 
     from rollout import kernels
 
@@ -123,21 +123,18 @@ def main() -> None:
                     # the cache write is idempotent (the same k, v at pos), so the replays can share the caches
                     return partial(kernels.decode_attention_impl, q, k, v, k_cache, v_cache, pos, cos, sin, length)
 
-                sweep(kernels, ATTENTION, make_call,
+                sweep(kernels, kernels._attend_split, ATTENTION, make_call,
                       lambda out, want: torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2),
                       f"attention {name} x {batch}", cuda)
     if "sampling" in args.kernels:
         vocab = VOCAB if cuda else 5000
         for rows in batches:
-            generator = torch.Generator(device).manual_seed(rows)
-            logits = (torch.randn(rows, vocab, generator=generator, device=device) * 3).bfloat16()
-            seed = torch.tensor([123], dtype=torch.int32, device=device)
-            keys, steps = torch.arange(rows, device=device), torch.full((rows,), 7, device=device)
+            logits, seed, keys, steps = sample_inputs(rows, vocab, device)
 
             def make_call(logits=logits, seed=seed, keys=keys, steps=steps):
                 return partial(kernels.sample_tokens_impl, logits, 1.0, seed, keys, steps, None, None)
 
-            sweep(kernels, SAMPLING, make_call,
+            sweep(kernels, kernels._sample_chunk, SAMPLING, make_call,
                   lambda out, want: torch.equal(out[0], want[0]) and torch.allclose(out[1], want[1], atol=1e-4),
                   f"sampling {rows} x {vocab}", cuda)
 

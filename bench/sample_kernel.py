@@ -44,13 +44,18 @@ def torch_form(logits, temperature, seed, keys, steps):
     return sample_with_noise(logits, temperature, 0, 1.0, None, noise)
 
 
+def sample_inputs(rows: int, vocab: int, device) -> tuple[torch.Tensor, ...]:
+    """bfloat16 logits [rows, vocab] (a spread of ~3 per token, seeded by rows) and the noise's seed, keys, steps."""
+    gen = torch.Generator(device).manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=gen, device=device) * 3).bfloat16()
+    seed = torch.tensor([123], dtype=torch.int32, device=device)
+    return logits, seed, torch.arange(rows, device=device), torch.full((rows,), 7, device=device)
+
+
 def bench_rows(rows: int, args, baseline, device) -> None:
     from triton.testing import do_bench_cudagraph
 
-    gen = torch.Generator(device).manual_seed(rows)
-    logits = (torch.randn(rows, VOCAB, generator=gen, device=device) * 3).bfloat16()
-    seed = torch.tensor([123], dtype=torch.int32, device=device)
-    keys, steps = torch.arange(rows, device=device), torch.full((rows,), 7, device=device)
+    logits, seed, keys, steps = sample_inputs(rows, VOCAB, device)
     inputs = (logits, args.temperature, seed, keys, steps)
     want = torch_form(*inputs)[0]
     base_us = do_bench_cudagraph(partial(torch_form, *inputs), rep=200) * 1e3

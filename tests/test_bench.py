@@ -99,7 +99,8 @@ def test_kernel_sweep_times_each_setting_and_restores_the_defaults(capsys):
         return lambda: kernels.sample_tokens_impl(logits, 1.0, seed, keys, steps, None, None)
 
     space = {"BLOCK_V": [256, 3, kernels.BLOCK_V], "SAMPLE_WARPS": [kernels.SAMPLE_WARPS]}
-    kernel_sweep.sweep(kernels, space, make_call, lambda out, want: torch.equal(out[0], want[0]), "tiny", cuda=False)
+    kernel_sweep.sweep(kernels, kernels._sample_chunk, space, make_call, lambda out, want: torch.equal(out[0], want[0]),
+                       "tiny", cuda=False)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 3, rows
     assert f"BLOCK_V={kernels.BLOCK_V} SAMPLE_WARPS={kernels.SAMPLE_WARPS} (defaults)" in rows[0]
