@@ -2,6 +2,7 @@
 
     python bench/rollout.py                       # Qwen2.5-0.5B and 1.5B shapes, 1 GPU
     python bench/rollout.py --models qwen2.5-0.5b --hf-prompts 128
+    python bench/rollout.py --models qwen2.5-0.5b --top-p 0.9 --kernels torch triton   # top-p: sort against kernel
     python bench/rollout.py --models qwen2.5-0.5b --prompts 1024 --max-num-seqs 256 --hf-prompts 0   # 4x the slots
     torchrun --nproc_per_node 2 bench/rollout.py --layout tp --hf-prompts 0   # one engine over 2 GPUs (TP=2)
     torchrun --nproc_per_node 2 bench/rollout.py --layout dp --hf-prompts 0   # 2 engines, half the prompts each
@@ -121,7 +122,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
         print(f"[{name} {label}] warm-up {time.perf_counter() - start:.1f} s", flush=True)
         out, seconds, peak = timed(run)
         stats = dict(engine.stats)
-        prefill_params = SamplingParams(max_new_tokens=1, temperature=params.temperature)
+        prefill_params = SamplingParams(max_new_tokens=1, temperature=params.temperature, top_k=params.top_k,
+                                        top_p=params.top_p)
         prefill = lambda: engine.generate(mine, prefill_params, seed)
         prefill()  # warm-up: prefill-only shapes
         # the fastest of three: one slow call (0.41 s against 0.07 s, seen once on an H200) would make the decode
@@ -141,10 +143,13 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
 
     def slots_note(stats: dict) -> str:  # continuous batching: more sequences than slots; the ranks' layout
         note = f", {stats['slots']} slots" if stats["slots"] < len(prompts[share]) else ""
+        note += f", top-k {args.top_k}" if args.top_k else ""
+        note += f", top-p {args.top_p}" if args.top_p < 1 else ""
         return note + (f", {args.layout} {world}" if world > 1 else "")
 
     new = args.new
-    equal = SamplingParams(max_new_tokens=new, temperature=1.0, min_new_tokens=new)
+    cut = dict(top_k=args.top_k, top_p=args.top_p)
+    equal = SamplingParams(max_new_tokens=new, temperature=1.0, min_new_tokens=new, **cut)
     mean_context = args.prompt_len + new / 2
     variant_rows = []
     if args.spread:  # the same lengths for every variant
@@ -171,7 +176,7 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
             floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context) if world == 1 else None,
             graphs=stats["graphs"]))
         if args.spread:
-            spread = SamplingParams(max_new_tokens=high, temperature=1.0)
+            spread = SamplingParams(max_new_tokens=high, temperature=1.0, **cut)
             tokens, seconds, peak, prefill_s, step_ms, stats = ours(engine, spread, limits,
                                                                     label=f"spread, kernels {variant}")
             variant_rows.append(dict(
@@ -182,8 +187,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
 
     if args.hf_prompts > 0:
         ids = torch.tensor(prompts[: args.hf_prompts], device=device)
-        kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                      pad_token_id=0)
+        kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=args.top_k,
+                      top_p=args.top_p, pad_token_id=0)
         model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
         out, hf_s, hf_peak = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs))
         hf_tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
@@ -266,6 +271,8 @@ def main() -> None:
     parser.add_argument("--hf-prompts", type=int, default=256, help="prompts for HF generate; 0 skips it")
     parser.add_argument("--spread", type=int, nargs=2, default=[32, 512], metavar=("LOW", "HIGH"))
     parser.add_argument("--no-spread", dest="spread", action="store_const", const=None)
+    parser.add_argument("--top-k", type=int, default=0, help="sampling's top-k (0: off), every run")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sampling's top-p (1: off), every run")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="slots (rollout.max_num_seqs): with more prompts, finished sequences free slots for "
                              "waiting ones (continuous batching)")

@@ -6,6 +6,7 @@ CUDA-graph replays timed by triton.testing.do_bench_cudagraph; every variant's t
 form's.
 
     python3 bench/sample_kernel.py [--rows 64 256] [--chunks 0 4 8 16] [--baseline old_kernels.py]
+    python3 bench/sample_kernel.py --top-p 0.9 --chunks 0    # top-p: the kernel's rounds against the sort
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def load_baseline(path: str):
     return module
 
 
-def torch_form(logits, temperature, seed, keys, steps):
+def torch_form(logits, temperature, seed, keys, steps, top_k=0, top_p=1.0):
     noise = gumbel_noise(seed, keys, steps, logits.shape[1]) if temperature > 0 else None
-    return sample_with_noise(logits, temperature, 0, 1.0, None, noise)
+    return sample_with_noise(logits, temperature, top_k, top_p, None, noise)
 
 
 def sample_inputs(rows: int, vocab: int, device) -> tuple[torch.Tensor, ...]:
@@ -57,12 +58,13 @@ def bench_rows(rows: int, args, baseline, device) -> None:
 
     logits, seed, keys, steps = sample_inputs(rows, VOCAB, device)
     inputs = (logits, args.temperature, seed, keys, steps)
-    want = torch_form(*inputs)[0]
-    base_us = do_bench_cudagraph(partial(torch_form, *inputs), rep=200) * 1e3
+    cut = dict(top_k=args.top_k, top_p=args.top_p)
+    want = torch_form(*inputs, **cut)[0]
+    base_us = do_bench_cudagraph(partial(torch_form, *inputs, **cut), rep=200) * 1e3
     print(f"| {rows} | PyTorch form | - | {base_us:.1f} | 1.00x |", flush=True)
     for label, module in [("this tree", kernels)] + ([("baseline", baseline)] if baseline else []):
         for chunks in args.chunks:
-            fn = partial(module.sample_tokens_impl, *inputs, None, None, chunks)
+            fn = partial(module.sample_tokens_impl, *inputs, None, None, chunks, **cut)
             same = "" if torch.equal(fn()[0], want) else " (TOKENS DIFFER)"
             # the kernel's own count (an older kernels.py: two programs per SM)
             programs = module._programs(device) * getattr(module, "SAMPLE_PROGRAMS_PER_SM", 2) // 2
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 4, 8, 16],
                         help="chunks per row (0: the kernel's own count)")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--baseline", help="another rollout/kernels.py to time beside this one")
     args = parser.parse_args()
     device = torch.device("cuda")

@@ -15,7 +15,9 @@ score with its token, in base-2 units with one exponential and one logarithm (th
 kernel merges the chunks. The logarithms and exponentials run on the GPU's approximate ex2/lg2 where that stays
 within a few float32 steps of the exact noise (_exponential): the same draw but for near-ties. The PyTorch form of
 the draw (sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate
-passes. No top-k / top-p: with those the engine keeps the PyTorch form.
+passes. Top-k: torch.topk's k-th largest logit is each row's floor. Top-p without sorting: the pick is checked
+against the nucleus (the mass of the tokens above it below top_p), and a pick outside it is replaced by the best
+pick above it, round after round (nucleus_rounds; rows done skip them): the sorted PyTorch form's draw.
 
 The kernels run on CUDA tensors; with TRITON_INTERPRET=1 set before this module is imported they also run, slowly,
 on CPU tensors (the tests check them that way against a plain softmax(q k^T) v). Without Triton, `available()`
@@ -24,6 +26,7 @@ says why and the engine keeps SDPA.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -291,11 +294,15 @@ if triton is not None:
 
     @triton.jit
     def _sample_tile(
-        row_logits, v, inside, scale, row_hash, row_banned, STOP, m, total, best, best_e, token, picked,
-        MASKED: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, RATIO: tl.constexpr, ASM: tl.constexpr,
+        row_logits, v, inside, scale, row_hash, row_banned, STOP, row_floor, m, total, kept, best, best_e, token,
+        picked,
+        MASKED: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, FLOORED: tl.constexpr, KEPT_SUM: tl.constexpr,
+        RATIO: tl.constexpr, ASM: tl.constexpr,
     ):
         """One tile of _sample_chunk: tokens v (all inside the vocabulary unless MASKED, then `inside` says which)
-        folded into the lanes' state (m, total, best, best_e, token, picked), returned updated."""
+        folded into the lanes' state (m, total, kept, best, best_e, token, picked), returned updated. FLOORED:
+        tokens whose logit is below row_floor may not be picked (top-k); KEPT_SUM: `kept` sums 2^(x - m) over the
+        tokens that may be picked (top-p's normaliser), as `total` does over all."""
         if MASKED:
             logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
         else:
@@ -308,14 +315,17 @@ if triton is not None:
         p = tl.where(up, 1.0, e)
         total = total * rescale + p
         m = tl.maximum(m, x)
+        allowed = inside
         if BAN:
             if MASKED:
                 stop = tl.load(STOP + v, mask=inside, other=0) != 0
                 allowed = inside & ~(stop & row_banned)
             else:
                 allowed = ~((tl.load(STOP + v) != 0) & row_banned)
-        elif MASKED:
-            allowed = inside
+        if FLOORED:
+            allowed = allowed & (logit >= row_floor)
+        if KEPT_SUM:
+            kept = kept * rescale + tl.where(allowed, p, 0.0)
         if NOISE:
             bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
             # (k + 1/2) 2^-23 for the 23-bit k, as one exact fma
@@ -323,7 +333,7 @@ if triton is not None:
             exponential = _exponential(uniform, ASM)
         if RATIO:
             best = best * rescale  # the best's 2^(x - m), rescaled with the sum
-            if MASKED:
+            if MASKED or FLOORED:
                 p = tl.where(allowed, p, 0.0)
             better = p * best_e > best * exponential  # strict: the earlier token wins a tie, as argmax
             best = tl.where(better, p, best)
@@ -333,21 +343,20 @@ if triton is not None:
                 score = x - _log2(exponential, ASM)
             else:
                 score = logit  # greedy: the logit itself (x rounds neighbouring float32 logits together)
-            if BAN:
-                score = tl.where(allowed, score, float("-inf"))
-            elif MASKED:
+            if BAN or MASKED or FLOORED:
                 score = tl.where(allowed, score, float("-inf"))
             better = score > best  # strict: the earlier token wins a tie, as argmax
             best = tl.where(better, score, best)
         token = tl.where(better, v, token)
         picked = tl.where(better, x, picked)
-        return m, total, best, best_e, token, picked
+        return m, total, kept, best, best_e, token, picked
 
     @triton.jit
     def _sample_chunk(
-        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART,
-        stride_l, vocab, scale, chunk_len, chunks,
-        BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, RATIO: tl.constexpr, ASM: tl.constexpr,
+        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, FLOORS, M_PART, S_PART, KEPT_PART, BEST_PART, TOKEN_PART,
+        PICKED_PART, stride_l, vocab, scale, chunk_len, chunks,
+        BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, FLOORED: tl.constexpr, KEPT_SUM: tl.constexpr,
+        RATIO: tl.constexpr, ASM: tl.constexpr,
     ):
         """Program (row, chunk) over tokens [chunk * chunk_len, chunk * chunk_len + chunk_len) (chunk_len a
         multiple of BLOCK): x = logits * scale (scale = log2(e) / temperature: base-2 units throughout, so that
@@ -363,7 +372,10 @@ if triton is not None:
         (p_b rescaled with the sum), so the noise takes one logarithm per token (E's) and no division, and the
         lane's best score x_b - log2 E_b is taken once at the end. Not with banned tokens: a banned token that is
         the lane's max would leave the others' p underflowed to 0 (x more than ~126 below it, as at a low
-        temperature), none of them a candidate. A NaN logit makes the row's sum, so its log-prob, NaN."""
+        temperature), none of them a candidate. A NaN logit makes the row's sum, so its log-prob, NaN.
+        FLOORED: a token whose logit is below the row's FLOORS entry may not be picked (top-k; every token at or above
+        the floor is, so the lane max is one that may be picked whenever the lane holds one, and the ratios hold).
+        KEPT_SUM: also stores the chunk's sum of 2^(x - max) over the tokens that may be picked (top-p's mass)."""
         r = tl.program_id(0)
         c = tl.program_id(1)
         row_logits = LOGITS + r.to(tl.int64) * stride_l  # 64-bit: rows x vocab may pass 2^31
@@ -385,24 +397,30 @@ if triton is not None:
         row_banned = False
         if BAN:
             row_banned = tl.load(BANNED_ROWS + r) != 0
+        row_floor = 0.0
+        if FLOORED:
+            row_floor = tl.load(FLOORS + r)
+        kept = tl.zeros([BLOCK], tl.float32)
         start = c * chunk_len
         end = tl.minimum(start + chunk_len, vocab)
         whole = tl.minimum(start + chunk_len, vocab // BLOCK * BLOCK)
         lanes = tl.arange(0, BLOCK)
         for v0 in range(start, whole, BLOCK):
             v = tl.max_contiguous(tl.multiple_of(v0 + lanes, BLOCK), BLOCK)  # v0 is a multiple of BLOCK
-            m, total, best, best_e, token, picked = _sample_tile(
-                row_logits, v, lanes >= 0, scale, row_hash, row_banned, STOP, m, total, best, best_e, token, picked,
-                False, NOISE, BAN, RATIO, ASM)
+            m, total, kept, best, best_e, token, picked = _sample_tile(
+                row_logits, v, lanes >= 0, scale, row_hash, row_banned, STOP, row_floor, m, total, kept, best, best_e,
+                token, picked, False, NOISE, BAN, FLOORED, KEPT_SUM, RATIO, ASM)
         if whole < end:  # the vocabulary's last, partial tile
             v = whole + lanes
-            m, total, best, best_e, token, picked = _sample_tile(
-                row_logits, v, v < end, scale, row_hash, row_banned, STOP, m, total, best, best_e, token, picked,
-                True, NOISE, BAN, RATIO, ASM)
+            m, total, kept, best, best_e, token, picked = _sample_tile(
+                row_logits, v, v < end, scale, row_hash, row_banned, STOP, row_floor, m, total, kept, best, best_e,
+                token, picked, True, NOISE, BAN, FLOORED, KEPT_SUM, RATIO, ASM)
         if RATIO:
             best = tl.where(best > 0.0, picked - _log2(best_e, ASM), float("-inf"))
         chunk_max = tl.max(m, 0)
         chunk_total = tl.sum(total * tl.exp2(m - chunk_max), 0)
+        if KEPT_SUM:
+            tl.store(KEPT_PART + r * chunks + c, tl.sum(kept * tl.exp2(m - chunk_max), 0))
         chunk_best = tl.max(best, 0)
         # the lowest token among the lanes holding the chunk's best score
         lane = tl.min(tl.where(best == chunk_best, token, 2147483647), 0)
@@ -416,11 +434,15 @@ if triton is not None:
 
     @triton.jit
     def _merge_samples(
-        M_PART, S_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, chunks,
-        CHUNK_ROWS: tl.constexpr,
+        M_PART, S_PART, KEPT_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, LOGITS, NUCLEUS, DONE,
+        stride_l, top_p, chunks,
+        CHUNK_ROWS: tl.constexpr, TOP_P: tl.constexpr, KEPT_SUM: tl.constexpr,
     ):
         """Program (row): the token of the best chunk (the first on a tie) and its log-prob, (x - log2(sum_v
-        2^x_v)) ln 2 (the chunks' x in base-2 units)."""
+        2^x_v)) ln 2 (the chunks' x in base-2 units). TOP_P: also the row's state for the nucleus rounds (NUCLEUS
+        [R, 4]: the row's max x, log2 of its sum, top_p times the mass of the tokens that may be picked (KEPT_SUM:
+        their own sums, else all tokens'), and the picked token's logit; DONE [R]: 1 when there is nothing to check,
+        no token may be picked)."""
         r = tl.program_id(0)
         c = tl.arange(0, CHUNK_ROWS)
         used = c < chunks
@@ -438,6 +460,102 @@ if triton is not None:
         tl.store(TOKENS + r, chosen.to(tl.int64))
         # a row of -inf logits only (its sum counts floors): NaN, as PyTorch's log-softmax gives
         tl.store(LOGPROBS + r, tl.where(top > _FLOOR, (at - lse) * 0.6931471805599453, float("nan")))
+        if TOP_P:
+            if KEPT_SUM:
+                kept = tl.load(KEPT_PART + i, mask=used, other=0.0)
+                mass = tl.sum(kept * tl.exp2(m - top), 0)
+            else:
+                mass = tl.sum(total * tl.exp2(m - top), 0)
+            state = NUCLEUS + r * 4
+            tl.store(state, top)
+            tl.store(state + 1, lse)
+            tl.store(state + 2, top_p * mass)
+            tl.store(state + 3, tl.load(LOGITS + r.to(tl.int64) * stride_l + tl.minimum(chosen, 0x7FFFFFFE)
+                                        ).to(tl.float32))
+            tl.store(DONE + r, (row_best == float("-inf")).to(tl.int32))
+
+    @triton.jit
+    def _nucleus_chunk(
+        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, NUCLEUS, DONE, MASS_PART, BEST_PART, TOKEN_PART, PICKED_PART,
+        stride_l, vocab, scale, chunk_len, chunks,
+        BLOCK: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
+    ):
+        """Program (row, chunk) of a nucleus round, for the rows not done: over the chunk's tokens that may be picked
+        and whose logit is above the row's picked one (NUCLEUS[r, 3]), the sum of 2^(x - max) (the mass above the
+        picked token) and the best noisy score x - log2 E with its token and x (the pick among them). Tokens above
+        the picked one are above any top-k floor, which therefore needs no check here."""
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        if tl.load(DONE + r) == 0:
+            row_logits = LOGITS + r.to(tl.int64) * stride_l
+            top = tl.load(NUCLEUS + r * 4)
+            pivot = tl.load(NUCLEUS + r * 4 + 3)
+            key = tl.load(KEYS + r).to(tl.uint32)
+            step = tl.load(STEPS + r).to(tl.uint32)
+            seed = tl.load(SEED).to(tl.uint32)
+            row_hash = _fmix32(_fmix32(seed ^ key) + step * 0x9E3779B9)
+            row_banned = False
+            if BAN:
+                row_banned = tl.load(BANNED_ROWS + r) != 0
+            lanes = tl.arange(0, BLOCK)
+            mass = tl.zeros([BLOCK], tl.float32)
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
+            token = tl.zeros([BLOCK], tl.int32)
+            picked = tl.zeros([BLOCK], tl.float32)
+            start = c * chunk_len
+            end = tl.minimum(start + chunk_len, vocab)
+            for v0 in range(start, end, BLOCK):
+                v = v0 + lanes
+                inside = v < end
+                logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
+                x = tl.maximum(logit * scale, _FLOOR)
+                allowed = inside & (logit > pivot)
+                if BAN:
+                    stop = tl.load(STOP + v, mask=inside, other=0) != 0
+                    allowed = allowed & ~(stop & row_banned)
+                mass += tl.where(allowed, _exp2(x - top, ASM), 0.0)
+                bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
+                uniform = ((bits >> 9) & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
+                score = tl.where(allowed, x - _log2(_exponential(uniform, ASM), ASM), float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                token = tl.where(better, v, token)
+                picked = tl.where(better, x, picked)
+            chunk_best = tl.max(best, 0)
+            lane = tl.min(tl.where(best == chunk_best, token, 2147483647), 0)
+            i = r * chunks + c
+            tl.store(MASS_PART + i, tl.sum(mass, 0))
+            tl.store(BEST_PART + i, chunk_best)
+            tl.store(TOKEN_PART + i, lane)
+            tl.store(PICKED_PART + i, tl.sum(tl.where((best == chunk_best) & (token == lane), picked, 0.0), 0))
+
+    @triton.jit
+    def _nucleus_merge(
+        LOGITS, NUCLEUS, DONE, MASS_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, stride_l, chunks,
+        CHUNK_ROWS: tl.constexpr,
+    ):
+        """Program (row) of a nucleus round, for the rows not done: the picked token is in the nucleus when the mass
+        above it is below top_p times the mass of all that may be picked (NUCLEUS[r, 2]): done. Else the best token
+        above it (the chunks' picks) replaces it, with its log-prob and logit, for the next round to check."""
+        r = tl.program_id(0)
+        if tl.load(DONE + r) == 0:
+            c = tl.arange(0, CHUNK_ROWS)
+            used = c < chunks
+            i = r * chunks + c
+            mass = tl.sum(tl.load(MASS_PART + i, mask=used, other=0.0), 0)
+            best = tl.load(BEST_PART + i, mask=used, other=float("-inf"))
+            token = tl.load(TOKEN_PART + i, mask=used, other=2147483647)
+            picked = tl.load(PICKED_PART + i, mask=used, other=0.0)
+            row_best = tl.max(best, 0)
+            if (mass < tl.load(NUCLEUS + r * 4 + 2)) | (row_best == float("-inf")):
+                tl.store(DONE + r, 1)
+            else:
+                chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
+                at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
+                lse = tl.load(NUCLEUS + r * 4 + 1)
+                tl.store(TOKENS + r, chosen.to(tl.int64))
+                tl.store(LOGPROBS + r, (at - lse) * 0.6931471805599453)
+                tl.store(NUCLEUS + r * 4 + 3, tl.load(LOGITS + r.to(tl.int64) * stride_l + chosen).to(tl.float32))
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -460,50 +578,98 @@ def sample_chunks(rows: int, vocab: int, programs: int) -> int:
 SAMPLE_PROGRAMS_PER_SM = 8
 
 
+def nucleus_rounds(top_p: float) -> int:
+    """Nucleus rounds for top_p: enough that a draw still outside the nucleus after them has a probability below
+    1e-9. Each round takes a row's pick, or, when the mass above it reaches top_p, the best pick above it; the mass
+    above a pick is (for a continuous distribution) uniform below the mass above the last, so a row needs more than
+    n rounds when a product of n uniforms stays above top_p: P(Poisson(ln(1 / top_p)) >= n)."""
+    rate = math.log(1.0 / top_p)
+    term = math.exp(-rate)  # P(Poisson = 0)
+    tail, n = 1.0, 0
+    while True:
+        tail -= term  # P(Poisson >= n + 1)
+        n += 1
+        if tail < 1e-9:
+            return n
+        term *= rate / n
+
+
 def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,
                        steps: torch.Tensor, stop_mask: torch.Tensor | None, banned_rows: torch.Tensor | None,
-                       chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """sampling.sample_with_noise without top-k / top-p, in one pass over the logits.
+                       chunks: int = 0, top_k: int = 0, top_p: float = 1.0,
+                       rounds: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sampling.sample_with_noise with the same noise, without sorting the vocabulary.
 
     logits: [R, V] (any float dtype, last dimension contiguous); temperature 0 is greedy (argmax, log-probs at
-    temperature 1). seed: [1] int32, keys, steps: [R] integers, the noise's counters (sampling.gumbel_noise).
-    stop_mask: [V] bool and banned_rows: [R] bool, or both None: stop_mask's tokens may not be picked in the rows
-    banned_rows marks (the stop tokens before min_new_tokens). chunks: 0 picks the count (sample_chunks).
-    Returns (tokens [R] long, logprobs [R] float32)."""
+    temperature 1; top-k / top-p unused). seed: [1] int32, keys, steps: [R] integers, the noise's counters
+    (sampling.gumbel_noise). stop_mask: [V] bool and banned_rows: [R] bool, or both None: stop_mask's tokens may not
+    be picked in the rows banned_rows marks (the stop tokens before min_new_tokens). chunks: 0 picks the count
+    (sample_chunks).
+    top_k: the k-th largest logit that may be picked (torch.topk) is each row's floor: tokens below it may not be
+    picked. top_p: the pick (Gumbel-max over what may be picked) is in the nucleus when the mass of the tokens above
+    it is below top_p of the mass of all that may be picked (sampling.truncate_top_k_top_p's rule); else the best
+    pick among the tokens above it is the next candidate, which is the pick over the nucleus once it is in it: each
+    round (a pass over the rows not done yet; rows done skip it) checks one candidate. rounds: how many (None:
+    nucleus_rounds(top_p)); a row still outside after them keeps its last candidate, which lies above every token
+    outside the nucleus that was rejected.
+    Returns (tokens [R] long, logprobs [R] float32), the log-probs of the untruncated distribution."""
     logits = _rows_contiguous(logits)
     rows, vocab = logits.shape
-    if chunks <= 0:
-        chunks = sample_chunks(rows, vocab, _programs(logits.device, SAMPLE_PROGRAMS_PER_SM))
-    chunk, chunks = _whole_tiles(vocab, chunks, BLOCK_V)
     device = logits.device
-    parts = [torch.empty(rows * chunks, dtype=torch.float32, device=device) for _ in range(4)]
+    if chunks <= 0:
+        chunks = sample_chunks(rows, vocab, _programs(device, SAMPLE_PROGRAMS_PER_SM))
+    chunk, chunks = _whole_tiles(vocab, chunks, BLOCK_V)
+    ban = stop_mask is not None
+    sampled = temperature > 0
+    floored = sampled and 0 < top_k < vocab
+    nucleus = sampled and top_p < 1.0
+    kept_sum = nucleus and (ban or floored)
+    floors = None
+    if floored:
+        candidates = logits.masked_fill(banned_rows[:, None] & stop_mask[None, :], float("-inf")) if ban else logits
+        floors = candidates.topk(top_k, dim=-1).values[:, -1].float().contiguous()  # a column: stride k
+    parts = [torch.empty(rows * chunks, dtype=torch.float32, device=device) for _ in range(5)]
     token_part = torch.empty(rows * chunks, dtype=torch.int32, device=device)
     tokens = torch.empty(rows, dtype=torch.long, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
-    ban = stop_mask is not None
+    state = torch.empty(rows, 4, dtype=torch.float32, device=device) if nucleus else logprobs
+    done = torch.empty(rows, dtype=torch.int32, device=device) if nucleus else token_part
     stop = stop_mask if ban else tokens  # unused without BAN
     banned = banned_rows if ban else tokens
+    scale = _LOG2_E / temperature if sampled else _LOG2_E
+    asm = _ptx(device)
     _sample_chunk[(rows, chunks)](
-        logits, seed, keys, steps, stop, banned, parts[0], parts[1], parts[2], token_part, parts[3],
-        logits.stride(0), vocab, _LOG2_E / temperature if temperature > 0 else _LOG2_E, chunk, chunks,
-        BLOCK=BLOCK_V, NOISE=temperature > 0, BAN=ban, RATIO=temperature > 0 and not ban, ASM=_ptx(device),
-        num_warps=SAMPLE_WARPS,
+        logits, seed, keys, steps, stop, banned, floors if floored else logprobs, parts[0], parts[1], parts[4],
+        parts[2], token_part, parts[3], logits.stride(0), vocab, scale, chunk, chunks,
+        BLOCK=BLOCK_V, NOISE=sampled, BAN=ban, FLOORED=floored, KEPT_SUM=kept_sum, RATIO=sampled and not ban,
+        ASM=asm, num_warps=SAMPLE_WARPS,
     )
-    _merge_samples[(rows,)](parts[0], parts[1], parts[2], token_part, parts[3], tokens, logprobs, chunks,
-                            CHUNK_ROWS=_next_power_of_two(chunks))
+    chunk_rows = _next_power_of_two(chunks)
+    _merge_samples[(rows,)](parts[0], parts[1], parts[4], parts[2], token_part, parts[3], tokens, logprobs, logits,
+                            state, done, logits.stride(0), top_p, chunks, CHUNK_ROWS=chunk_rows, TOP_P=nucleus,
+                            KEPT_SUM=kept_sum)
+    if nucleus:
+        for _ in range(nucleus_rounds(top_p) if rounds is None else rounds):
+            _nucleus_chunk[(rows, chunks)](
+                logits, seed, keys, steps, stop, banned, state, done, parts[4], parts[2], token_part, parts[3],
+                logits.stride(0), vocab, scale, chunk, chunks, BLOCK=BLOCK_V, BAN=ban, ASM=asm,
+                num_warps=SAMPLE_WARPS,
+            )
+            _nucleus_merge[(rows,)](logits, state, done, parts[4], parts[2], token_part, parts[3], tokens, logprobs,
+                                    logits.stride(0), chunks, CHUNK_ROWS=chunk_rows)
     return tokens, logprobs
 
 
 @torch.library.custom_op("meshrl::sample_tokens", mutates_args=())
 def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,
-                  steps: torch.Tensor, stop_mask: torch.Tensor | None,
-                  banned_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  steps: torch.Tensor, stop_mask: torch.Tensor | None, banned_rows: torch.Tensor | None,
+                  top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """sample_tokens_impl as an operator torch.compile keeps whole."""
-    return sample_tokens_impl(logits, temperature, seed, keys, steps, stop_mask, banned_rows)
+    return sample_tokens_impl(logits, temperature, seed, keys, steps, stop_mask, banned_rows, top_k=top_k, top_p=top_p)
 
 
 @sample_tokens.register_fake
-def _(logits, temperature, seed, keys, steps, stop_mask, banned_rows):
+def _(logits, temperature, seed, keys, steps, stop_mask, banned_rows, top_k=0, top_p=1.0):
     rows = logits.shape[0]
     return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32)
 

@@ -7,8 +7,11 @@ import torch.distributed as dist
 def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set every token outside the top-k and then outside the nucleus to -inf.
 
-    logits: [N, V] float. top_k: 0 (or >= V) keeps all. top_p: keep the smallest set of most likely tokens whose
-    probability (after the top-k cut, renormalised) sums to >= top_p; the most likely token is always kept.
+    logits: [N, V] float. top_k: 0 (or >= V) keeps all; else the tokens at least as large as the k-th largest (ties
+    with it included). top_p: keep the tokens whose mass above them (the probability, after the top-k cut and
+    renormalised, of the tokens strictly larger) is below top_p: the smallest set of most likely tokens whose
+    probability reaches top_p, with every token tied with its last one (so the set does not depend on how a sort
+    orders ties); the most likely token is always kept. rollout/kernels.sample_tokens_impl keeps the same sets.
     Returns [N, V], a new tensor.
     """
     vocab = logits.size(-1)
@@ -16,12 +19,13 @@ def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torc
         kth_best = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits = logits.sort(dim=-1, descending=True).values
         sorted_probs = sorted_logits.softmax(dim=-1)
-        # A token is dropped once the tokens ranked above it already reach top_p; the best token has 0 mass above it.
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        # the mass ranked above each sorted token: the nucleus is every token up to the last one whose mass above is
+        # below top_p (the best has 0 above), and all tokens tied with that one
+        above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        last = ((above < top_p).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # 0: a row of -inf (NaN mass)
+        logits = logits.masked_fill(logits < sorted_logits.gather(-1, last), float("-inf"))
     return logits
 
 

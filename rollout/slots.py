@@ -128,15 +128,16 @@ def sample_and_record(
     A slot that is not live samples too (its work is in the batch anyway) but writes to the spare output row and
     keeps its state. advance_positions: a decode step moves pos past the token it just wrote; prefill does not (the
     prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
-    tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's one-pass kernel (no top-k / top-p), the draw
-    of sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie).
+    tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's kernel (one pass over the logits, and with
+    top-p a few passes over the rows whose first pick lies outside the nucleus), the draw of
+    sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie).
     """
     logits = F.linear(rms_norm(hidden + residual, norm, eps), lm_head)
     gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]
     ban = stop_mask is not None and min_new_tokens > 0
     if kernel_sampling:
         tokens, logprobs = kernels.sample_tokens(logits, temperature, seed, seq, gen, stop_mask if ban else None,
-                                                 gen < min_new_tokens if ban else None)
+                                                 gen < min_new_tokens if ban else None, top_k, top_p)
     else:
         banned = (gen < min_new_tokens)[:, None] & stop_mask[None, :] if ban else None
         noise = gumbel_noise(seed, seq, gen, logits.shape[-1]) if temperature > 0 else None
@@ -224,7 +225,7 @@ class SlotEngine:
     q/k/v and gate/up weights, copied every call (rollout/decoder). decode_kernels: "auto" (the
     Triton kernels of rollout/kernels.py where they run: CUDA with Triton, head_dim a power of two; else PyTorch's
     SDPA and sampling.py), "triton" (the kernels or an error saying why not) or "torch". kernel_ops: which of them
-    (KERNEL_OPS: decode attention; sampling, which without top-k / top-p it takes over) - all unless a benchmark
+    (KERNEL_OPS: decode attention; sampling, top-k and top-p included) - all unless a benchmark
     measures them one by one.
     resident: keep the decode weights, the KV cache and the captured graphs from one call to the next, so that a call
     of the same shapes captures nothing and allocates nothing. The weights are then the engine's own buffers (the
@@ -302,9 +303,7 @@ class SlotEngine:
         device = w.embed.device
         triton = self._use_kernels(w.head_dim, device)
         kernel_attention = triton and "attention" in self.kernel_ops
-        # the kernel has no top-k / top-p, which greedy decoding ignores anyway
-        kernel_sampling = triton and "sampling" in self.kernel_ops and (
-            params.temperature == 0 or (params.top_k == 0 and params.top_p == 1.0))
+        kernel_sampling = triton and "sampling" in self.kernel_ops
         n = params.n
         num_seqs = len(prompts) * n
         max_new = max(limits)

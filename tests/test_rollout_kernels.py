@@ -269,6 +269,17 @@ def test_engine_decodes_through_the_kernels_as_through_torch():
     assert bool(stopped.any()) and bool((lengths[stopped] >= 3).all())
 
 
+@pytest.mark.parametrize("top_k, top_p", [(10, 1.0), (0, 0.5), (20, 0.8)])
+def test_engine_samples_top_k_and_top_p_through_the_kernel_as_through_torch(top_k, top_p):
+    """The kernel's top-k floor and nucleus rounds in the engine: the same tokens and log-probs as the PyTorch
+    sampler's sort, stop tokens banned before min_new_tokens among them."""
+    model = head16_model(layers=1, kv_heads=1)
+    params = SamplingParams(max_new_tokens=10, temperature=1.3, top_k=top_k, top_p=top_p, stop_token_ids=(11, 12),
+                            min_new_tokens=2)
+    out, _ = decode_both(model, [[5 + i, 6, 7] for i in range(6)], params)
+    assert bool((out.response_mask.sum(1) >= 2).all())
+
+
 def test_engine_refuses_an_unknown_or_impossible_attention():
     model = head16_model()
     with pytest.raises(ValueError, match="decode_kernels must be one of"):
@@ -320,6 +331,56 @@ def test_sample_tokens_draws_as_the_pytorch_form(temperature, chunks, ban):
         assert not (stop[tokens.cpu()] & banned_rows).any()
         if temperature == 0:  # greedy: the rows not banned take their favourite, a stop token
             assert stop[tokens.cpu()][~banned_rows].all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (0, 0.9), (0, 0.2), (300, 0.6)])
+@pytest.mark.parametrize("chunks, dtype", [(0, torch.bfloat16), (3, torch.bfloat16), (3, torch.float32)])
+@pytest.mark.parametrize("ban", [False, True])
+def test_sample_tokens_with_top_k_and_top_p_draws_as_the_pytorch_form(top_k, top_p, chunks, dtype, ban):
+    """With top-k and top-p: the tokens of sampling.sample_with_noise (its sort, the same noise) and the untruncated
+    log-probs. Logits of a spread of 1 (a flat distribution: a nucleus of top_p 0.2 holds ~700 of 5000 tokens, and
+    most rows' first pick lies outside it, so the rounds are exercised), in bfloat16 many of them tied."""
+    rows, vocab, temperature = 8, 5000, 0.8
+    gen = torch.Generator().manual_seed(top_k + int(top_p * 10) + chunks)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    stop = torch.zeros(vocab, dtype=torch.bool)
+    stop[logits.float().argmax(-1)] = True
+    banned_rows = torch.tensor([True, False] * 4)
+    seed = torch.tensor([777], dtype=torch.int32)
+    keys, steps = torch.arange(rows), torch.arange(rows) + 3
+    banned = banned_rows[:, None] & stop[None, :] if ban else None
+    noise = gumbel_noise(seed, keys, steps, vocab)
+    want_tokens, want_logprobs = sample_with_noise(logits, temperature, top_k, top_p, banned, noise)
+    untruncated = sample_with_noise(logits, temperature, 0, 1.0, banned, noise)[0]
+    if top_p < 0.5:
+        assert (untruncated != want_tokens).sum() >= rows // 2  # the first picks mostly lie outside the nucleus
+    args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
+    tokens, logprobs = kernels.sample_tokens_impl(
+        args[0], temperature, *args[1:], stop.to(DEVICE) if ban else None, banned_rows.to(DEVICE) if ban else None,
+        chunks, top_k=top_k, top_p=top_p)
+    assert torch.equal(tokens.cpu(), want_tokens)
+    torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
+
+
+def test_the_nucleus_rounds_bound_the_chance_of_a_draw_left_outside():
+    """nucleus_rounds(top_p) against the tail it bounds, summed directly: P(Poisson(ln 1/top_p) >= n) < 1e-9 at n
+    and not at n - 1; and, on a flat distribution with top_p 0.05, fewer rounds leave some rows' picks outside the
+    nucleus (the rounds are what moves them in)."""
+    for top_p in (0.99, 0.9, 0.5, 0.05):
+        n, rate = kernels.nucleus_rounds(top_p), math.log(1 / top_p)
+        tails = [1 - sum(math.exp(-rate) * rate**i / math.factorial(i) for i in range(k)) for k in (n - 1, n)]
+        assert tails[1] < 1e-9 <= tails[0]
+    rows, vocab = 16, 3000
+    seed = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    keys = torch.arange(rows, device=DEVICE)
+    # equal logits: the nucleus is every token (all tied), so take a ramp instead: token v has logit v / 1000
+    logits = (torch.arange(vocab, device=DEVICE).float() / 1000).expand(rows, vocab).bfloat16().contiguous()
+    noise = gumbel_noise(seed.cpu(), keys.cpu(), keys.cpu(), vocab)
+    want = sample_with_noise(logits.cpu(), 1.0, 0, 0.05, None, noise)[0]
+    full = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=0.05)[0].cpu()
+    assert torch.equal(full, want)
+    one = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=0.05, rounds=1)[0].cpu()
+    assert (one != want).any() and (one <= want).all()  # a row left outside keeps a candidate below the nucleus
 
 
 @pytest.mark.parametrize("temperature", [0.05, 1.0])
@@ -512,6 +573,7 @@ def test_the_operators_pass_opcheck():
     stop, banned = torch.zeros(300, dtype=torch.bool).to(DEVICE), torch.tensor([True, False, True]).to(DEVICE)
     torch.library.opcheck(kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned))
     torch.library.opcheck(kernels.sample_tokens, (logits, 0.0, seed, keys, keys, None, None))
+    torch.library.opcheck(kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned, 20, 0.7))
 
 
 def test_decode_attention_needs_a_context_length():

@@ -215,6 +215,30 @@ def test_truncate_top_k_top_p():
     assert kept(2, 0.6) == [False, True, False, False]
 
 
+def test_top_p_keeps_every_token_tied_with_the_last_one_it_needs():
+    """Three tokens tied at 0.2 below one at 0.22: with top_p 0.5 the nucleus needs the best and two of the tied
+    ones; which two a sort puts first is arbitrary, so all three are kept (a token is kept when the mass strictly
+    above it is below top_p)."""
+    probs = torch.tensor([[0.2, 0.2, 0.22, 0.2, 0.18, 0.0]])
+    logits = probs.log()
+    kept = torch.isfinite(truncate_top_k_top_p(logits, 0, 0.5))[0].tolist()
+    assert kept == [True, True, True, True, False, False]
+    # the rule against its definition on random rows with many ties (bfloat16-rounded logits), in float64
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 300, generator=gen) * 2).bfloat16().float()
+    for top_k, top_p in [(0, 0.3), (0, 0.9), (40, 0.7)]:
+        got = torch.isfinite(truncate_top_k_top_p(logits, top_k, top_p))
+        for row, out in zip(logits.double(), got):
+            if top_k:
+                row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+            p = row.softmax(-1)
+            above = torch.stack([p[row > x].sum() for x in row])
+            want = torch.isfinite(row) & (above < top_p)
+            # float32 against float64 sums: only tokens whose mass above is within 1e-5 of top_p may differ
+            near = (above - top_p).abs() < 1e-5
+            assert torch.equal(out[~near], want[~near])
+
+
 def test_sampling_follows_the_truncated_distribution():
     probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
     logits = probs.log().expand(40_000, 4)
