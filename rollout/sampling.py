@@ -19,14 +19,27 @@ def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torc
         kth_best = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p < 1.0:
-        sorted_logits = logits.sort(dim=-1, descending=True).values
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # the mass ranked above each sorted token: the nucleus is every token up to the last one whose mass above is
-        # below top_p (the best has 0 above), and all tokens tied with that one
-        above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        last = ((above < top_p).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # 0: a row of -inf (NaN mass)
-        logits = logits.masked_fill(logits < sorted_logits.gather(-1, last), float("-inf"))
+        logits = logits.masked_fill(logits < nucleus_floor(logits, top_p), float("-inf"))
     return logits
+
+
+@torch.library.custom_op("meshrl::nucleus_floor", mutates_args=())
+def nucleus_floor(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[N, V] float -> [N, 1]: the smallest logit of each row's nucleus (truncate_top_k_top_p's rule). An operator of
+    its own, so that torch.compile runs its sort and cumulative sum as PyTorch's kernels: Inductor's code for a
+    cumulative sum over a 151936-token row split in parts failed to build (torch 2.11, an H100)."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # the mass ranked above each sorted token: the nucleus is every token up to the last one whose mass above is
+    # below top_p (the best has 0 above), and all tokens tied with that one
+    above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    last = ((above < top_p).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # 0: a row of -inf (NaN mass)
+    return sorted_logits.gather(-1, last)
+
+
+@nucleus_floor.register_fake
+def _(logits, top_p):
+    return logits.new_empty(logits.shape[0], 1)
 
 
 def sample_next_tokens(

@@ -239,6 +239,14 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_it_needs():
             assert torch.equal(out[~near], want[~near])
 
 
+def test_the_nucleus_floor_operator_passes_opcheck():
+    """Its schema and fake implementation as torch.compile sees them (the engine's compiled sampler calls it)."""
+    from rollout.sampling import nucleus_floor
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    torch.library.opcheck(nucleus_floor, (logits, 0.7))
+
+
 def test_sampling_follows_the_truncated_distribution():
     probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
     logits = probs.log().expand(40_000, 4)
