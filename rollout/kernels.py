@@ -17,7 +17,8 @@ within a few float32 steps of the exact noise (_exponential): the same draw but 
 the draw (sampling.sample_with_noise) builds the float32 logits, the [R, V] noise and reduces them in separate
 passes. Top-k: torch.topk's k-th largest logit is each row's floor. Top-p without sorting: the pick is checked
 against the nucleus (the mass of the tokens above it below top_p), and a pick outside it is replaced by the best
-pick above it, round after round (nucleus_rounds; rows done skip them): the sorted PyTorch form's draw.
+pick above it, round after round (nucleus_rounds; each round reads only the rows still open): the sorted PyTorch
+form's draw.
 
 The kernels run on CUDA tensors; with TRITON_INTERPRET=1 set before this module is imported they also run, slowly,
 on CPU tensors (the tests check them that way against a plain softmax(q k^T) v). Without Triton, `available()`
@@ -434,15 +435,15 @@ if triton is not None:
 
     @triton.jit
     def _merge_samples(
-        M_PART, S_PART, KEPT_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, LOGITS, NUCLEUS, DONE,
-        stride_l, top_p, chunks,
+        M_PART, S_PART, KEPT_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, LOGITS, NUCLEUS, OPEN,
+        OPEN_COUNT, stride_l, top_p, chunks,
         CHUNK_ROWS: tl.constexpr, TOP_P: tl.constexpr, KEPT_SUM: tl.constexpr,
     ):
         """Program (row): the token of the best chunk (the first on a tie) and its log-prob, (x - log2(sum_v
         2^x_v)) ln 2 (the chunks' x in base-2 units). TOP_P: also the row's state for the nucleus rounds (NUCLEUS
         [R, 4]: the row's max x, log2 of its sum, top_p times the mass of the tokens that may be picked (KEPT_SUM:
-        their own sums, else all tokens'), and the picked token's logit; DONE [R]: 1 when there is nothing to check,
-        no token may be picked)."""
+        their own sums, else all tokens'), and the picked token's logit) and the row appended to the list of open
+        rows (OPEN, OPEN_COUNT its length, zero before) unless no token may be picked: nothing to check."""
         r = tl.program_id(0)
         c = tl.arange(0, CHUNK_ROWS)
         used = c < chunks
@@ -472,21 +473,26 @@ if triton is not None:
             tl.store(state + 2, top_p * mass)
             tl.store(state + 3, tl.load(LOGITS + r.to(tl.int64) * stride_l + tl.minimum(chosen, 0x7FFFFFFE)
                                         ).to(tl.float32))
-            tl.store(DONE + r, (row_best == float("-inf")).to(tl.int32))
+            if row_best > float("-inf"):
+                tl.store(OPEN + tl.atomic_add(OPEN_COUNT, 1), r)
 
     @triton.jit
     def _nucleus_chunk(
-        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, NUCLEUS, DONE, MASS_PART, BEST_PART, TOKEN_PART, PICKED_PART,
-        stride_l, vocab, scale, chunk_len, chunks,
-        BLOCK: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
+        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, NUCLEUS, OPEN, OPEN_COUNT, MASS_PART, BEST_PART, TOKEN_PART,
+        PICKED_PART, stride_l, vocab, scale, pieces,
+        PIECE: tl.constexpr, BLOCK: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
     ):
-        """Program (row, chunk) of a nucleus round, for the rows not done: over the chunk's tokens that may be picked
-        and whose logit is above the row's picked one (NUCLEUS[r, 3]), the sum of 2^(x - max) (the mass above the
-        picked token) and the best noisy score x - log2 E with its token and x (the pick among them). Tokens above
-        the picked one are above any top-k floor, which therefore needs no check here."""
-        r = tl.program_id(0)
-        c = tl.program_id(1)
-        if tl.load(DONE + r) == 0:
+        """The programs of a nucleus round take the (open row, piece) items in turn, a piece being PIECE tokens of
+        the row (a fixed grid, so a round with few open rows spreads each over many programs and one with none
+        costs a launch): over the piece's tokens that may be picked and whose logit is above the row's picked one
+        (NUCLEUS[r, 3]), the sum of 2^(x - max) (the mass above the picked token) and the best noisy score
+        x - log2 E with its token and x (the pick among them). Tokens above the picked one are above any top-k
+        floor, which therefore needs no check here."""
+        lanes = tl.arange(0, BLOCK)
+        items = tl.load(OPEN_COUNT) * pieces
+        for item in range(tl.program_id(0), items, tl.num_programs(0)):
+            r = tl.load(OPEN + item // pieces)
+            piece = item % pieces
             row_logits = LOGITS + r.to(tl.int64) * stride_l
             top = tl.load(NUCLEUS + r * 4)
             pivot = tl.load(NUCLEUS + r * 4 + 3)
@@ -497,16 +503,13 @@ if triton is not None:
             row_banned = False
             if BAN:
                 row_banned = tl.load(BANNED_ROWS + r) != 0
-            lanes = tl.arange(0, BLOCK)
             mass = tl.zeros([BLOCK], tl.float32)
             best = tl.full([BLOCK], float("-inf"), tl.float32)
             token = tl.zeros([BLOCK], tl.int32)
             picked = tl.zeros([BLOCK], tl.float32)
-            start = c * chunk_len
-            end = tl.minimum(start + chunk_len, vocab)
-            for v0 in range(start, end, BLOCK):
-                v = v0 + lanes
-                inside = v < end
+            for t in tl.static_range(0, PIECE, BLOCK):
+                v = piece * PIECE + t + lanes
+                inside = v < vocab
                 logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
                 x = tl.maximum(logit * scale, _FLOOR)
                 allowed = inside & (logit > pivot)
@@ -521,41 +524,43 @@ if triton is not None:
                 best = tl.where(better, score, best)
                 token = tl.where(better, v, token)
                 picked = tl.where(better, x, picked)
-            chunk_best = tl.max(best, 0)
-            lane = tl.min(tl.where(best == chunk_best, token, 2147483647), 0)
-            i = r * chunks + c
+            piece_best = tl.max(best, 0)
+            lane = tl.min(tl.where(best == piece_best, token, 2147483647), 0)
+            i = r * pieces + piece
             tl.store(MASS_PART + i, tl.sum(mass, 0))
-            tl.store(BEST_PART + i, chunk_best)
+            tl.store(BEST_PART + i, piece_best)
             tl.store(TOKEN_PART + i, lane)
-            tl.store(PICKED_PART + i, tl.sum(tl.where((best == chunk_best) & (token == lane), picked, 0.0), 0))
+            tl.store(PICKED_PART + i, tl.sum(tl.where((best == piece_best) & (token == lane), picked, 0.0), 0))
 
     @triton.jit
     def _nucleus_merge(
-        LOGITS, NUCLEUS, DONE, MASS_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, stride_l, chunks,
-        CHUNK_ROWS: tl.constexpr,
+        LOGITS, NUCLEUS, OPEN, OPEN_COUNT, NEXT_OPEN, NEXT_COUNT, MASS_PART, BEST_PART, TOKEN_PART, PICKED_PART,
+        TOKENS, LOGPROBS, stride_l, pieces,
+        PIECE_ROWS: tl.constexpr,
     ):
-        """Program (row) of a nucleus round, for the rows not done: the picked token is in the nucleus when the mass
-        above it is below top_p times the mass of all that may be picked (NUCLEUS[r, 2]): done. Else the best token
-        above it (the chunks' picks) replaces it, with its log-prob and logit, for the next round to check."""
-        r = tl.program_id(0)
-        if tl.load(DONE + r) == 0:
-            c = tl.arange(0, CHUNK_ROWS)
-            used = c < chunks
-            i = r * chunks + c
-            mass = tl.sum(tl.load(MASS_PART + i, mask=used, other=0.0), 0)
-            best = tl.load(BEST_PART + i, mask=used, other=float("-inf"))
-            token = tl.load(TOKEN_PART + i, mask=used, other=2147483647)
-            picked = tl.load(PICKED_PART + i, mask=used, other=0.0)
+        """Program i of a nucleus round, for the i-th open row r: its picked token is in the nucleus when the mass
+        above it is below top_p times the mass of all that may be picked (NUCLEUS[r, 2]): the row is done. Else the
+        best token above it (the pieces' picks) replaces it, with its log-prob and logit, and the row goes on the
+        next round's list (NEXT_OPEN, NEXT_COUNT)."""
+        i = tl.program_id(0)
+        if i < tl.load(OPEN_COUNT):
+            r = tl.load(OPEN + i)
+            c = tl.arange(0, PIECE_ROWS)
+            used = c < pieces
+            j = r * pieces + c
+            mass = tl.sum(tl.load(MASS_PART + j, mask=used, other=0.0), 0)
+            best = tl.load(BEST_PART + j, mask=used, other=float("-inf"))
+            token = tl.load(TOKEN_PART + j, mask=used, other=2147483647)
+            picked = tl.load(PICKED_PART + j, mask=used, other=0.0)
             row_best = tl.max(best, 0)
-            if (mass < tl.load(NUCLEUS + r * 4 + 2)) | (row_best == float("-inf")):
-                tl.store(DONE + r, 1)
-            else:
+            if (mass >= tl.load(NUCLEUS + r * 4 + 2)) & (row_best > float("-inf")):
                 chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
                 at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
                 lse = tl.load(NUCLEUS + r * 4 + 1)
                 tl.store(TOKENS + r, chosen.to(tl.int64))
                 tl.store(LOGPROBS + r, (at - lse) * 0.6931471805599453)
                 tl.store(NUCLEUS + r * 4 + 3, tl.load(LOGITS + r.to(tl.int64) * stride_l + chosen).to(tl.float32))
+                tl.store(NEXT_OPEN + tl.atomic_add(NEXT_COUNT, 1), r)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -573,6 +578,7 @@ def sample_chunks(rows: int, vocab: int, programs: int) -> int:
     return _part_count(vocab, BLOCK_V, rows, programs)
 
 
+NUCLEUS_PIECE = 2 * BLOCK_V  # tokens of a row per work item of a nucleus round
 # sample_tokens' programs per SM: with BLOCK_V and SAMPLE_WARPS, the setting bench/kernel_sweep.py found best over
 # 64 and 256 rows on an H200 (23.6 and 78.4 us; bench/RESULTS.md)
 SAMPLE_PROGRAMS_PER_SM = 8
@@ -609,7 +615,8 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     picked. top_p: the pick (Gumbel-max over what may be picked) is in the nucleus when the mass of the tokens above
     it is below top_p of the mass of all that may be picked (sampling.truncate_top_k_top_p's rule); else the best
     pick among the tokens above it is the next candidate, which is the pick over the nucleus once it is in it: each
-    round (a pass over the rows not done yet; rows done skip it) checks one candidate. rounds: how many (None:
+    round checks one candidate of every row still open (a pass over those rows only, in pieces of NUCLEUS_PIECE
+    tokens spread over all programs). rounds: how many (None:
     nucleus_rounds(top_p)); a row still outside after them keeps its last candidate, which lies above every token
     outside the nucleus that was rejected.
     Returns (tokens [R] long, logprobs [R] float32), the log-probs of the untruncated distribution."""
@@ -632,8 +639,11 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     token_part = torch.empty(rows * chunks, dtype=torch.int32, device=device)
     tokens = torch.empty(rows, dtype=torch.long, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    rounds = (nucleus_rounds(top_p) if rounds is None else rounds) if nucleus else 0
     state = torch.empty(rows, 4, dtype=torch.float32, device=device) if nucleus else logprobs
-    done = torch.empty(rows, dtype=torch.int32, device=device) if nucleus else token_part
+    # the open rows of each round: list k, rows[k], of length counts[k]
+    open_rows = torch.empty(rounds + 1, rows, dtype=torch.int32, device=device) if nucleus else token_part
+    counts = torch.zeros(rounds + 1, dtype=torch.int32, device=device) if nucleus else token_part
     stop = stop_mask if ban else tokens  # unused without BAN
     banned = banned_rows if ban else tokens
     scale = _LOG2_E / temperature if sampled else _LOG2_E
@@ -644,19 +654,23 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
         BLOCK=BLOCK_V, NOISE=sampled, BAN=ban, FLOORED=floored, KEPT_SUM=kept_sum, RATIO=sampled and not ban,
         ASM=asm, num_warps=SAMPLE_WARPS,
     )
-    chunk_rows = _next_power_of_two(chunks)
     _merge_samples[(rows,)](parts[0], parts[1], parts[4], parts[2], token_part, parts[3], tokens, logprobs, logits,
-                            state, done, logits.stride(0), top_p, chunks, CHUNK_ROWS=chunk_rows, TOP_P=nucleus,
-                            KEPT_SUM=kept_sum)
-    if nucleus:
-        for _ in range(nucleus_rounds(top_p) if rounds is None else rounds):
-            _nucleus_chunk[(rows, chunks)](
-                logits, seed, keys, steps, stop, banned, state, done, parts[4], parts[2], token_part, parts[3],
-                logits.stride(0), vocab, scale, chunk, chunks, BLOCK=BLOCK_V, BAN=ban, ASM=asm,
-                num_warps=SAMPLE_WARPS,
+                            state, open_rows, counts, logits.stride(0), top_p, chunks,
+                            CHUNK_ROWS=_next_power_of_two(chunks), TOP_P=nucleus, KEPT_SUM=kept_sum)
+    if rounds:
+        pieces = _ceil_div(vocab, NUCLEUS_PIECE)
+        round_parts = [torch.empty(rows * pieces, dtype=torch.float32, device=device) for _ in range(3)]
+        round_tokens = torch.empty(rows * pieces, dtype=torch.int32, device=device)
+        programs = _programs(device, SAMPLE_PROGRAMS_PER_SM)
+        for k in range(rounds):
+            _nucleus_chunk[(programs,)](
+                logits, seed, keys, steps, stop, banned, state, open_rows[k], counts[k:], round_parts[0],
+                round_parts[1], round_tokens, round_parts[2], logits.stride(0), vocab, scale, pieces,
+                PIECE=NUCLEUS_PIECE, BLOCK=BLOCK_V, BAN=ban, ASM=asm, num_warps=SAMPLE_WARPS,
             )
-            _nucleus_merge[(rows,)](logits, state, done, parts[4], parts[2], token_part, parts[3], tokens, logprobs,
-                                    logits.stride(0), chunks, CHUNK_ROWS=chunk_rows)
+            _nucleus_merge[(rows,)](logits, state, open_rows[k], counts[k:], open_rows[k + 1], counts[k + 1:],
+                                    round_parts[0], round_parts[1], round_tokens, round_parts[2], tokens, logprobs,
+                                    logits.stride(0), pieces, PIECE_ROWS=_next_power_of_two(pieces))
     return tokens, logprobs
 
 
