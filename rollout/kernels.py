@@ -477,29 +477,61 @@ if triton is not None:
                 tl.store(OPEN + tl.atomic_add(OPEN_COUNT, 1), r)
 
     @triton.jit
-    def _nucleus_chunk(
-        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, NUCLEUS, OPEN, OPEN_COUNT, MASS_PART, BEST_PART, TOKEN_PART,
-        PICKED_PART, stride_l, vocab, scale, pieces,
-        PIECE: tl.constexpr, BLOCK: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
+    def _nucleus_tile(
+        row_logits, v, inside, scale, top, pivot, row_hash, row_banned, STOP, mass, best, token, picked,
+        MASKED: tl.constexpr, MASS: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
     ):
-        """The programs of a nucleus round take the (open row, piece) items in turn, a piece being PIECE tokens of
-        the row (a fixed grid, so a round with few open rows spreads each over many programs and one with none
-        costs a launch): over the piece's tokens that may be picked and whose logit is above the row's picked one
-        (NUCLEUS[r, 3]), the sum of 2^(x - max) (the mass above the picked token) and the best noisy score
-        x - log2 E with its token and x (the pick among them). Tokens above the picked one are above any top-k
-        floor, which therefore needs no check here."""
+        """One tile of _nucleus_pass over the tokens v that may be picked and lie above the pivot logit: MASS adds
+        their 2^(x - top) to `mass`, else their best noisy score x - log2 E goes into (best, token, picked)."""
+        if MASKED:
+            logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
+        else:
+            logit = tl.load(row_logits + v).to(tl.float32)
+        x = tl.maximum(logit * scale, _FLOOR)
+        allowed = logit > pivot  # -inf padding never is
+        if BAN:
+            if MASKED:
+                stop = tl.load(STOP + v, mask=inside, other=0) != 0
+            else:
+                stop = tl.load(STOP + v) != 0
+            allowed = allowed & ~(stop & row_banned)
+        if MASS:
+            mass += tl.where(allowed, _exp2(x - top, ASM), 0.0)
+        else:
+            bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
+            uniform = ((bits >> 9) & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
+            score = tl.where(allowed, x - _log2(_exponential(uniform, ASM), ASM), float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            token = tl.where(better, v, token)
+            picked = tl.where(better, x, picked)
+        return mass, best, token, picked
+
+    @triton.jit
+    def _nucleus_pass(
+        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, NUCLEUS, ROWS, COUNT, MASS_PART, BEST_PART, TOKEN_PART,
+        PICKED_PART, stride_l, vocab, scale, pieces,
+        PIECE: tl.constexpr, BLOCK: tl.constexpr, MASS: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
+    ):
+        """A pass of a nucleus round over the rows listed in ROWS (COUNT of them), in (row, piece) items of PIECE
+        tokens that the programs take in turn (a fixed grid: few rows spread over many programs, none cost a
+        launch). Over the piece's tokens that may be picked and whose logit is above the row's picked one
+        (NUCLEUS[r, 3]): MASS, the sum of 2^(x - max), the mass above the picked token; else the best noisy score
+        with its token and x, the pick among them. Tokens above the picked one are above any top-k floor, which
+        therefore needs no check here."""
         lanes = tl.arange(0, BLOCK)
-        items = tl.load(OPEN_COUNT) * pieces
+        items = tl.load(COUNT) * pieces
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
-            r = tl.load(OPEN + item // pieces)
+            r = tl.load(ROWS + item // pieces)
             piece = item % pieces
             row_logits = LOGITS + r.to(tl.int64) * stride_l
             top = tl.load(NUCLEUS + r * 4)
             pivot = tl.load(NUCLEUS + r * 4 + 3)
-            key = tl.load(KEYS + r).to(tl.uint32)
-            step = tl.load(STEPS + r).to(tl.uint32)
-            seed = tl.load(SEED).to(tl.uint32)
-            row_hash = _fmix32(_fmix32(seed ^ key) + step * 0x9E3779B9)
+            row_hash = tl.zeros([], tl.uint32)
+            if not MASS:
+                key = tl.load(KEYS + r).to(tl.uint32)
+                step = tl.load(STEPS + r).to(tl.uint32)
+                row_hash = _fmix32(_fmix32(tl.load(SEED).to(tl.uint32) ^ key) + step * 0x9E3779B9)
             row_banned = False
             if BAN:
                 row_banned = tl.load(BANNED_ROWS + r) != 0
@@ -507,60 +539,64 @@ if triton is not None:
             best = tl.full([BLOCK], float("-inf"), tl.float32)
             token = tl.zeros([BLOCK], tl.int32)
             picked = tl.zeros([BLOCK], tl.float32)
-            for t in tl.static_range(0, PIECE, BLOCK):
-                v = piece * PIECE + t + lanes
-                inside = v < vocab
-                logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
-                x = tl.maximum(logit * scale, _FLOOR)
-                allowed = inside & (logit > pivot)
-                if BAN:
-                    stop = tl.load(STOP + v, mask=inside, other=0) != 0
-                    allowed = allowed & ~(stop & row_banned)
-                mass += tl.where(allowed, _exp2(x - top, ASM), 0.0)
-                bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
-                uniform = ((bits >> 9) & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
-                score = tl.where(allowed, x - _log2(_exponential(uniform, ASM), ASM), float("-inf"))
-                better = score > best
-                best = tl.where(better, score, best)
-                token = tl.where(better, v, token)
-                picked = tl.where(better, x, picked)
-            piece_best = tl.max(best, 0)
-            lane = tl.min(tl.where(best == piece_best, token, 2147483647), 0)
+            start = piece * PIECE
+            if start + PIECE <= vocab:
+                for t in tl.static_range(0, PIECE, BLOCK):
+                    v = tl.max_contiguous(tl.multiple_of(start + t + lanes, BLOCK), BLOCK)
+                    mass, best, token, picked = _nucleus_tile(
+                        row_logits, v, lanes >= 0, scale, top, pivot, row_hash, row_banned, STOP, mass, best, token,
+                        picked, False, MASS, BAN, ASM)
+            else:  # the vocabulary's last, partial piece
+                for t in tl.static_range(0, PIECE, BLOCK):
+                    v = start + t + lanes
+                    mass, best, token, picked = _nucleus_tile(
+                        row_logits, v, v < vocab, scale, top, pivot, row_hash, row_banned, STOP, mass, best, token,
+                        picked, True, MASS, BAN, ASM)
             i = r * pieces + piece
-            tl.store(MASS_PART + i, tl.sum(mass, 0))
-            tl.store(BEST_PART + i, piece_best)
-            tl.store(TOKEN_PART + i, lane)
-            tl.store(PICKED_PART + i, tl.sum(tl.where((best == piece_best) & (token == lane), picked, 0.0), 0))
+            if MASS:
+                tl.store(MASS_PART + i, tl.sum(mass, 0))
+            else:
+                piece_best = tl.max(best, 0)
+                lane = tl.min(tl.where(best == piece_best, token, 2147483647), 0)
+                tl.store(BEST_PART + i, piece_best)
+                tl.store(TOKEN_PART + i, lane)
+                tl.store(PICKED_PART + i, tl.sum(tl.where((best == piece_best) & (token == lane), picked, 0.0), 0))
 
     @triton.jit
     def _nucleus_merge(
-        LOGITS, NUCLEUS, OPEN, OPEN_COUNT, NEXT_OPEN, NEXT_COUNT, MASS_PART, BEST_PART, TOKEN_PART, PICKED_PART,
+        LOGITS, NUCLEUS, ROWS, COUNT, NEXT_ROWS, NEXT_COUNT, MASS_PART, BEST_PART, TOKEN_PART, PICKED_PART,
         TOKENS, LOGPROBS, stride_l, pieces,
-        PIECE_ROWS: tl.constexpr,
+        PIECE_ROWS: tl.constexpr, MASS: tl.constexpr,
     ):
-        """Program i of a nucleus round, for the i-th open row r: its picked token is in the nucleus when the mass
-        above it is below top_p times the mass of all that may be picked (NUCLEUS[r, 2]): the row is done. Else the
-        best token above it (the pieces' picks) replaces it, with its log-prob and logit, and the row goes on the
-        next round's list (NEXT_OPEN, NEXT_COUNT)."""
+        """Program i of a nucleus round, for the i-th listed row r. MASS: its picked token is in the nucleus when
+        the mass above it is below top_p times the mass of all that may be picked (NUCLEUS[r, 2]): the row is done;
+        else it is listed for the pick (NEXT_ROWS, NEXT_COUNT). Else: the best token above the picked one (the
+        pieces' picks) replaces it, with its log-prob and logit, and the row is listed for the next round's check
+        (when no token may be picked above it, which the mass above it rules out but for rounding, it is done)."""
         i = tl.program_id(0)
-        if i < tl.load(OPEN_COUNT):
-            r = tl.load(OPEN + i)
+        if i < tl.load(COUNT):
+            r = tl.load(ROWS + i)
             c = tl.arange(0, PIECE_ROWS)
             used = c < pieces
             j = r * pieces + c
-            mass = tl.sum(tl.load(MASS_PART + j, mask=used, other=0.0), 0)
-            best = tl.load(BEST_PART + j, mask=used, other=float("-inf"))
-            token = tl.load(TOKEN_PART + j, mask=used, other=2147483647)
-            picked = tl.load(PICKED_PART + j, mask=used, other=0.0)
-            row_best = tl.max(best, 0)
-            if (mass >= tl.load(NUCLEUS + r * 4 + 2)) & (row_best > float("-inf")):
-                chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
-                at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
-                lse = tl.load(NUCLEUS + r * 4 + 1)
-                tl.store(TOKENS + r, chosen.to(tl.int64))
-                tl.store(LOGPROBS + r, (at - lse) * 0.6931471805599453)
-                tl.store(NUCLEUS + r * 4 + 3, tl.load(LOGITS + r.to(tl.int64) * stride_l + chosen).to(tl.float32))
-                tl.store(NEXT_OPEN + tl.atomic_add(NEXT_COUNT, 1), r)
+            if MASS:
+                mass = tl.sum(tl.load(MASS_PART + j, mask=used, other=0.0), 0)
+                if mass >= tl.load(NUCLEUS + r * 4 + 2):
+                    tl.store(NEXT_ROWS + tl.atomic_add(NEXT_COUNT, 1), r)
+            else:
+                best = tl.load(BEST_PART + j, mask=used, other=float("-inf"))
+                token = tl.load(TOKEN_PART + j, mask=used, other=2147483647)
+                picked = tl.load(PICKED_PART + j, mask=used, other=0.0)
+                row_best = tl.max(best, 0)
+                if row_best > float("-inf"):
+                    chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
+                    at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
+                    lse = tl.load(NUCLEUS + r * 4 + 1)
+                    tl.store(TOKENS + r, chosen.to(tl.int64))
+                    tl.store(LOGPROBS + r, (at - lse) * 0.6931471805599453)
+                    tl.store(NUCLEUS + r * 4 + 3,
+                             tl.load(LOGITS + r.to(tl.int64) * stride_l + chosen).to(tl.float32))
+                    tl.store(NEXT_ROWS + tl.atomic_add(NEXT_COUNT, 1), r)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -615,8 +651,9 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     picked. top_p: the pick (Gumbel-max over what may be picked) is in the nucleus when the mass of the tokens above
     it is below top_p of the mass of all that may be picked (sampling.truncate_top_k_top_p's rule); else the best
     pick among the tokens above it is the next candidate, which is the pick over the nucleus once it is in it: each
-    round checks one candidate of every row still open (a pass over those rows only, in pieces of NUCLEUS_PIECE
-    tokens spread over all programs). rounds: how many (None:
+    round checks one candidate of every row still open (a pass summing the mass above it over those rows only) and
+    picks the next for the rows it rejects (a pass over those), in pieces of NUCLEUS_PIECE tokens spread over all
+    programs. rounds: how many (None:
     nucleus_rounds(top_p)); a row still outside after them keeps its last candidate, which lies above every token
     outside the nucleus that was rejected.
     Returns (tokens [R] long, logprobs [R] float32), the log-probs of the untruncated distribution."""
@@ -641,9 +678,9 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
     rounds = (nucleus_rounds(top_p) if rounds is None else rounds) if nucleus else 0
     state = torch.empty(rows, 4, dtype=torch.float32, device=device) if nucleus else logprobs
-    # the open rows of each round: list k, rows[k], of length counts[k]
-    open_rows = torch.empty(rounds + 1, rows, dtype=torch.int32, device=device) if nucleus else token_part
-    counts = torch.zeros(rounds + 1, dtype=torch.int32, device=device) if nucleus else token_part
+    # the rows each step of the rounds takes: list j, open_rows[j], of length counts[j]
+    open_rows = torch.empty(2 * rounds + 1, rows, dtype=torch.int32, device=device) if nucleus else token_part
+    counts = torch.zeros(2 * rounds + 1, dtype=torch.int32, device=device) if nucleus else token_part
     stop = stop_mask if ban else tokens  # unused without BAN
     banned = banned_rows if ban else tokens
     scale = _LOG2_E / temperature if sampled else _LOG2_E
@@ -662,15 +699,17 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
         round_parts = [torch.empty(rows * pieces, dtype=torch.float32, device=device) for _ in range(3)]
         round_tokens = torch.empty(rows * pieces, dtype=torch.int32, device=device)
         programs = _programs(device, SAMPLE_PROGRAMS_PER_SM)
+        pass_args = (logits, seed, keys, steps, stop, banned, state)
+        parts_args = (round_parts[0], round_parts[1], round_tokens, round_parts[2])
         for k in range(rounds):
-            _nucleus_chunk[(programs,)](
-                logits, seed, keys, steps, stop, banned, state, open_rows[k], counts[k:], round_parts[0],
-                round_parts[1], round_tokens, round_parts[2], logits.stride(0), vocab, scale, pieces,
-                PIECE=NUCLEUS_PIECE, BLOCK=BLOCK_V, BAN=ban, ASM=asm, num_warps=SAMPLE_WARPS,
-            )
-            _nucleus_merge[(rows,)](logits, state, open_rows[k], counts[k:], open_rows[k + 1], counts[k + 1:],
-                                    round_parts[0], round_parts[1], round_tokens, round_parts[2], tokens, logprobs,
-                                    logits.stride(0), pieces, PIECE_ROWS=_next_power_of_two(pieces))
+            # lists 2k (the rows to check, from the last round), 2k + 1 (the rows to pick again), 2k + 2 (the next)
+            for j, mass in ((2 * k, True), (2 * k + 1, False)):
+                _nucleus_pass[(programs,)](*pass_args, open_rows[j], counts[j:], *parts_args, logits.stride(0), vocab,
+                                           scale, pieces, PIECE=NUCLEUS_PIECE, BLOCK=BLOCK_V, MASS=mass, BAN=ban,
+                                           ASM=asm, num_warps=SAMPLE_WARPS)
+                _nucleus_merge[(rows,)](logits, state, open_rows[j], counts[j:], open_rows[j + 1], counts[j + 1:],
+                                        *parts_args, tokens, logprobs, logits.stride(0), pieces,
+                                        PIECE_ROWS=_next_power_of_two(pieces), MASS=mass)
     return tokens, logprobs
 
 
