@@ -471,9 +471,8 @@ if triton is not None:
             tl.store(state, top)
             tl.store(state + 1, lse)
             tl.store(state + 2, top_p * mass)
-            tl.store(state + 3, tl.load(LOGITS + r.to(tl.int64) * stride_l + tl.minimum(chosen, 0x7FFFFFFE)
-                                        ).to(tl.float32))
-            if row_best > float("-inf"):
+            if row_best > float("-inf"):  # else no token may be picked: nothing to check
+                tl.store(state + 3, tl.load(LOGITS + r.to(tl.int64) * stride_l + chosen).to(tl.float32))
                 tl.store(OPEN + tl.atomic_add(OPEN_COUNT, 1), r)
 
     @triton.jit
