@@ -294,6 +294,28 @@ if triton is not None:
         return tl.where(uniform < 0.875, -_log2(uniform, ASM), w * series)
 
     @triton.jit
+    def _row_hash(SEED, KEYS, STEPS, r):
+        """The noise's hash of row r (sampling.gumbel_noise's counters: the seed, the row's key and step)."""
+        key = tl.load(KEYS + r).to(tl.uint32)
+        step = tl.load(STEPS + r).to(tl.uint32)
+        return _fmix32(_fmix32(tl.load(SEED).to(tl.uint32) ^ key) + step * 0x9E3779B9)
+
+    @triton.jit
+    def _noise_exponential(row_hash, v, ASM: tl.constexpr):
+        """E of tokens v's Gumbel noise in the row of row_hash (_exponential of gumbel_noise's uniform)."""
+        bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
+        # (k + 1/2) 2^-23 for the 23-bit k, as one exact fma
+        uniform = ((bits >> 9) & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
+        return _exponential(uniform, ASM)
+
+    @triton.jit
+    def _first_best(best, token, picked):
+        """(the best score, the lowest token holding it, that token's x) over the lanes or parts of a row."""
+        top = tl.max(best, 0)
+        first = tl.min(tl.where(best == top, token, 2147483647), 0)
+        return top, first, tl.sum(tl.where((best == top) & (token == first), picked, 0.0), 0)
+
+    @triton.jit
     def _sample_tile(
         row_logits, v, inside, scale, row_hash, row_banned, STOP, row_floor, m, total, kept, best, best_e, token,
         picked,
@@ -328,10 +350,7 @@ if triton is not None:
         if KEPT_SUM:
             kept = kept * rescale + tl.where(allowed, p, 0.0)
         if NOISE:
-            bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
-            # (k + 1/2) 2^-23 for the 23-bit k, as one exact fma
-            uniform = ((bits >> 9) & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
-            exponential = _exponential(uniform, ASM)
+            exponential = _noise_exponential(row_hash, v, ASM)
         if RATIO:
             best = best * rescale  # the best's 2^(x - m), rescaled with the sum
             if MASKED or FLOORED:
@@ -391,10 +410,7 @@ if triton is not None:
             best = tl.full([BLOCK], float("-inf"), tl.float32)
         row_hash = tl.zeros([], tl.uint32)
         if NOISE:
-            key = tl.load(KEYS + r).to(tl.uint32)
-            step = tl.load(STEPS + r).to(tl.uint32)
-            seed = tl.load(SEED).to(tl.uint32)
-            row_hash = _fmix32(_fmix32(seed ^ key) + step * 0x9E3779B9)
+            row_hash = _row_hash(SEED, KEYS, STEPS, r)
         row_banned = False
         if BAN:
             row_banned = tl.load(BANNED_ROWS + r) != 0
@@ -422,10 +438,7 @@ if triton is not None:
         chunk_total = tl.sum(total * tl.exp2(m - chunk_max), 0)
         if KEPT_SUM:
             tl.store(KEPT_PART + r * chunks + c, tl.sum(kept * tl.exp2(m - chunk_max), 0))
-        chunk_best = tl.max(best, 0)
-        # the lowest token among the lanes holding the chunk's best score
-        lane = tl.min(tl.where(best == chunk_best, token, 2147483647), 0)
-        at = tl.sum(tl.where((best == chunk_best) & (token == lane), picked, 0.0), 0)
+        chunk_best, lane, at = _first_best(best, token, picked)
         i = r * chunks + c
         tl.store(M_PART + i, chunk_max)
         tl.store(S_PART + i, chunk_total)
@@ -455,9 +468,7 @@ if triton is not None:
         picked = tl.load(PICKED_PART + i, mask=used, other=0.0)
         top = tl.max(m, 0)
         lse = top + tl.log2(tl.sum(total * tl.exp2(m - top), 0))
-        row_best = tl.max(best, 0)
-        chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
-        at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
+        row_best, chosen, at = _first_best(best, token, picked)
         tl.store(TOKENS + r, chosen.to(tl.int64))
         # a row of -inf logits only (its sum counts floors): NaN, as PyTorch's log-softmax gives
         tl.store(LOGPROBS + r, tl.where(top > _FLOOR, (at - lse) * 0.6931471805599453, float("nan")))
@@ -497,9 +508,7 @@ if triton is not None:
         if MASS:
             mass += tl.where(allowed, _exp2(x - top, ASM), 0.0)
         else:
-            bits = _fmix32(row_hash ^ (v.to(tl.uint32) * 0x27D4EB2F))
-            uniform = ((bits >> 9) & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
-            score = tl.where(allowed, x - _log2(_exponential(uniform, ASM), ASM), float("-inf"))
+            score = tl.where(allowed, x - _log2(_noise_exponential(row_hash, v, ASM), ASM), float("-inf"))
             better = score > best
             best = tl.where(better, score, best)
             token = tl.where(better, v, token)
@@ -528,9 +537,7 @@ if triton is not None:
             pivot = tl.load(NUCLEUS + r * 4 + 3)
             row_hash = tl.zeros([], tl.uint32)
             if not MASS:
-                key = tl.load(KEYS + r).to(tl.uint32)
-                step = tl.load(STEPS + r).to(tl.uint32)
-                row_hash = _fmix32(_fmix32(tl.load(SEED).to(tl.uint32) ^ key) + step * 0x9E3779B9)
+                row_hash = _row_hash(SEED, KEYS, STEPS, r)
             row_banned = False
             if BAN:
                 row_banned = tl.load(BANNED_ROWS + r) != 0
@@ -555,11 +562,10 @@ if triton is not None:
             if MASS:
                 tl.store(MASS_PART + i, tl.sum(mass, 0))
             else:
-                piece_best = tl.max(best, 0)
-                lane = tl.min(tl.where(best == piece_best, token, 2147483647), 0)
+                piece_best, lane, at = _first_best(best, token, picked)
                 tl.store(BEST_PART + i, piece_best)
                 tl.store(TOKEN_PART + i, lane)
-                tl.store(PICKED_PART + i, tl.sum(tl.where((best == piece_best) & (token == lane), picked, 0.0), 0))
+                tl.store(PICKED_PART + i, at)
 
     @triton.jit
     def _nucleus_merge(
@@ -586,10 +592,8 @@ if triton is not None:
                 best = tl.load(BEST_PART + j, mask=used, other=float("-inf"))
                 token = tl.load(TOKEN_PART + j, mask=used, other=2147483647)
                 picked = tl.load(PICKED_PART + j, mask=used, other=0.0)
-                row_best = tl.max(best, 0)
+                row_best, chosen, at = _first_best(best, token, picked)
                 if row_best > float("-inf"):
-                    chosen = tl.min(tl.where(best == row_best, token, 2147483647), 0)
-                    at = tl.sum(tl.where((best == row_best) & (token == chosen), picked, 0.0), 0)
                     lse = tl.load(NUCLEUS + r * 4 + 1)
                     tl.store(TOKENS + r, chosen.to(tl.int64))
                     tl.store(LOGPROBS + r, (at - lse) * 0.6931471805599453)
