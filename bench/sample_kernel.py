@@ -58,7 +58,8 @@ def bench_rows(rows: int, args, baseline, device) -> None:
 
     logits, seed, keys, steps = sample_inputs(rows, VOCAB, device)
     inputs = (logits, args.temperature, seed, keys, steps)
-    cut = dict(top_k=args.top_k, top_p=args.top_p)
+    # only when set: a --baseline kernels.py from before top-k / top-p takes no such arguments
+    cut = {name: value for name, value, off in (("top_k", args.top_k, 0), ("top_p", args.top_p, 1.0)) if value != off}
     want = torch_form(*inputs, **cut)[0]
     base_us = do_bench_cudagraph(partial(torch_form, *inputs, **cut), rep=200) * 1e3
     print(f"| {rows} | PyTorch form | - | {base_us:.1f} | 1.00x |", flush=True)

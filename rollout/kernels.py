@@ -317,15 +317,16 @@ if triton is not None:
 
     @triton.jit
     def _sample_tile(
-        row_logits, v, inside, scale, row_hash, row_banned, STOP, row_floor, m, total, kept, best, best_e, token,
-        picked,
+        row_logits, v, inside, scale, row_hash, row_banned, STOP, row_floor, m, total, kept_max, kept, best, best_e,
+        token, picked,
         MASKED: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, FLOORED: tl.constexpr, KEPT_SUM: tl.constexpr,
         RATIO: tl.constexpr, ASM: tl.constexpr,
     ):
         """One tile of _sample_chunk: tokens v (all inside the vocabulary unless MASKED, then `inside` says which)
-        folded into the lanes' state (m, total, kept, best, best_e, token, picked), returned updated. FLOORED:
-        tokens whose logit is below row_floor may not be picked (top-k); KEPT_SUM: `kept` sums 2^(x - m) over the
-        tokens that may be picked (top-p's normaliser), as `total` does over all."""
+        folded into the lanes' state (m, total, kept_max, kept, best, best_e, token, picked), returned updated.
+        FLOORED: tokens whose logit is below row_floor may not be picked (top-k); KEPT_SUM: `kept` sums
+        2^(x - kept_max) over the tokens that may be picked, kept_max their max (top-p's normaliser, measured from
+        their own max: a banned token far above them would underflow them all)."""
         if MASKED:
             logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
         else:
@@ -348,7 +349,11 @@ if triton is not None:
         if FLOORED:
             allowed = allowed & (logit >= row_floor)
         if KEPT_SUM:
-            kept = kept * rescale + tl.where(allowed, p, 0.0)
+            x_kept = tl.where(allowed, x, _FLOOR)
+            up_kept = x_kept > kept_max
+            e_kept = _exp2(-tl.abs(x_kept - kept_max), ASM)
+            kept = kept * tl.where(up_kept, e_kept, 1.0) + tl.where(allowed, tl.where(up_kept, 1.0, e_kept), 0.0)
+            kept_max = tl.maximum(kept_max, x_kept)
         if NOISE:
             exponential = _noise_exponential(row_hash, v, ASM)
         if RATIO:
@@ -369,12 +374,12 @@ if triton is not None:
             best = tl.where(better, score, best)
         token = tl.where(better, v, token)
         picked = tl.where(better, x, picked)
-        return m, total, kept, best, best_e, token, picked
+        return m, total, kept_max, kept, best, best_e, token, picked
 
     @triton.jit
     def _sample_chunk(
-        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, FLOORS, M_PART, S_PART, KEPT_PART, BEST_PART, TOKEN_PART,
-        PICKED_PART, stride_l, vocab, scale, chunk_len, chunks,
+        LOGITS, SEED, KEYS, STEPS, STOP, BANNED_ROWS, FLOORS, M_PART, S_PART, KEPT_MAX_PART, KEPT_PART, BEST_PART,
+        TOKEN_PART, PICKED_PART, stride_l, vocab, scale, chunk_len, chunks,
         BLOCK: tl.constexpr, NOISE: tl.constexpr, BAN: tl.constexpr, FLOORED: tl.constexpr, KEPT_SUM: tl.constexpr,
         RATIO: tl.constexpr, ASM: tl.constexpr,
     ):
@@ -395,7 +400,8 @@ if triton is not None:
         temperature), none of them a candidate. A NaN logit makes the row's sum, so its log-prob, NaN.
         FLOORED: a token whose logit is below the row's FLOORS entry may not be picked (top-k; every token at or above
         the floor is, so the lane max is one that may be picked whenever the lane holds one, and the ratios hold).
-        KEPT_SUM: also stores the chunk's sum of 2^(x - max) over the tokens that may be picked (top-p's mass)."""
+        KEPT_SUM: also stores the chunk's max x and sum of 2^(x - that max) over the tokens that may be picked (top-p's
+        mass)."""
         r = tl.program_id(0)
         c = tl.program_id(1)
         row_logits = LOGITS + r.to(tl.int64) * stride_l  # 64-bit: rows x vocab may pass 2^31
@@ -417,6 +423,7 @@ if triton is not None:
         row_floor = 0.0
         if FLOORED:
             row_floor = tl.load(FLOORS + r)
+        kept_max = tl.full([BLOCK], _FLOOR, tl.float32)
         kept = tl.zeros([BLOCK], tl.float32)
         start = c * chunk_len
         end = tl.minimum(start + chunk_len, vocab)
@@ -424,20 +431,22 @@ if triton is not None:
         lanes = tl.arange(0, BLOCK)
         for v0 in range(start, whole, BLOCK):
             v = tl.max_contiguous(tl.multiple_of(v0 + lanes, BLOCK), BLOCK)  # v0 is a multiple of BLOCK
-            m, total, kept, best, best_e, token, picked = _sample_tile(
-                row_logits, v, lanes >= 0, scale, row_hash, row_banned, STOP, row_floor, m, total, kept, best, best_e,
-                token, picked, False, NOISE, BAN, FLOORED, KEPT_SUM, RATIO, ASM)
+            m, total, kept_max, kept, best, best_e, token, picked = _sample_tile(
+                row_logits, v, lanes >= 0, scale, row_hash, row_banned, STOP, row_floor, m, total, kept_max, kept, best,
+                best_e, token, picked, False, NOISE, BAN, FLOORED, KEPT_SUM, RATIO, ASM)
         if whole < end:  # the vocabulary's last, partial tile
             v = whole + lanes
-            m, total, kept, best, best_e, token, picked = _sample_tile(
-                row_logits, v, v < end, scale, row_hash, row_banned, STOP, row_floor, m, total, kept, best, best_e,
-                token, picked, True, NOISE, BAN, FLOORED, KEPT_SUM, RATIO, ASM)
+            m, total, kept_max, kept, best, best_e, token, picked = _sample_tile(
+                row_logits, v, v < end, scale, row_hash, row_banned, STOP, row_floor, m, total, kept_max, kept, best,
+                best_e, token, picked, True, NOISE, BAN, FLOORED, KEPT_SUM, RATIO, ASM)
         if RATIO:
             best = tl.where(best > 0.0, picked - _log2(best_e, ASM), float("-inf"))
         chunk_max = tl.max(m, 0)
         chunk_total = tl.sum(total * tl.exp2(m - chunk_max), 0)
         if KEPT_SUM:
-            tl.store(KEPT_PART + r * chunks + c, tl.sum(kept * tl.exp2(m - chunk_max), 0))
+            chunk_kept_max = tl.max(kept_max, 0)
+            tl.store(KEPT_MAX_PART + r * chunks + c, chunk_kept_max)
+            tl.store(KEPT_PART + r * chunks + c, tl.sum(kept * tl.exp2(kept_max - chunk_kept_max), 0))
         chunk_best, lane, at = _first_best(best, token, picked)
         i = r * chunks + c
         tl.store(M_PART + i, chunk_max)
@@ -448,15 +457,17 @@ if triton is not None:
 
     @triton.jit
     def _merge_samples(
-        M_PART, S_PART, KEPT_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, LOGITS, NUCLEUS, OPEN,
+        M_PART, S_PART, KEPT_MAX_PART, KEPT_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, LOGITS,
+        NUCLEUS, OPEN,
         OPEN_COUNT, stride_l, top_p, chunks,
         CHUNK_ROWS: tl.constexpr, TOP_P: tl.constexpr, KEPT_SUM: tl.constexpr,
     ):
         """Program (row): the token of the best chunk (the first on a tie) and its log-prob, (x - log2(sum_v
         2^x_v)) ln 2 (the chunks' x in base-2 units). TOP_P: also the row's state for the nucleus rounds (NUCLEUS
-        [R, 4]: the row's max x, log2 of its sum, top_p times the mass of the tokens that may be picked (KEPT_SUM:
-        their own sums, else all tokens'), and the picked token's logit) and the row appended to the list of open
-        rows (OPEN, OPEN_COUNT its length, zero before) unless no token may be picked: nothing to check."""
+        [R, 4]: the frame of the masses, the max x of the tokens that may be picked (KEPT_SUM: their own max, else
+        the row's); log2 of the row's sum; top_p times the mass of the tokens that may be picked in that frame; and
+        the picked token's logit) and the row appended to the list of open rows (OPEN, OPEN_COUNT its length, zero
+        before) unless no token may be picked: nothing to check."""
         r = tl.program_id(0)
         c = tl.arange(0, CHUNK_ROWS)
         used = c < chunks
@@ -473,13 +484,16 @@ if triton is not None:
         # a row of -inf logits only (its sum counts floors): NaN, as PyTorch's log-softmax gives
         tl.store(LOGPROBS + r, tl.where(top > _FLOOR, (at - lse) * 0.6931471805599453, float("nan")))
         if TOP_P:
+            frame = top
             if KEPT_SUM:
+                kept_max = tl.load(KEPT_MAX_PART + i, mask=used, other=_FLOOR)
                 kept = tl.load(KEPT_PART + i, mask=used, other=0.0)
-                mass = tl.sum(kept * tl.exp2(m - top), 0)
+                frame = tl.max(kept_max, 0)
+                mass = tl.sum(kept * tl.exp2(kept_max - frame), 0)
             else:
                 mass = tl.sum(total * tl.exp2(m - top), 0)
             state = NUCLEUS + r * 4
-            tl.store(state, top)
+            tl.store(state, frame)
             tl.store(state + 1, lse)
             tl.store(state + 2, top_p * mass)
             if row_best > float("-inf"):  # else no token may be picked: nothing to check
@@ -488,11 +502,12 @@ if triton is not None:
 
     @triton.jit
     def _nucleus_tile(
-        row_logits, v, inside, scale, top, pivot, row_hash, row_banned, STOP, mass, best, token, picked,
+        row_logits, v, inside, scale, frame, pivot, row_hash, row_banned, STOP, mass, best, token, picked,
         MASKED: tl.constexpr, MASS: tl.constexpr, BAN: tl.constexpr, ASM: tl.constexpr,
     ):
         """One tile of _nucleus_pass over the tokens v that may be picked and lie above the pivot logit: MASS adds
-        their 2^(x - top) to `mass`, else their best noisy score x - log2 E goes into (best, token, picked)."""
+        their 2^(x - frame) to `mass` (frame: NUCLEUS[r, 0], at least their x), else their best noisy score
+        x - log2 E goes into (best, token, picked)."""
         if MASKED:
             logit = tl.load(row_logits + v, mask=inside, other=float("-inf")).to(tl.float32)
         else:
@@ -506,7 +521,7 @@ if triton is not None:
                 stop = tl.load(STOP + v) != 0
             allowed = allowed & ~(stop & row_banned)
         if MASS:
-            mass += tl.where(allowed, _exp2(x - top, ASM), 0.0)
+            mass += tl.where(allowed, _exp2(x - frame, ASM), 0.0)
         else:
             score = tl.where(allowed, x - _log2(_noise_exponential(row_hash, v, ASM), ASM), float("-inf"))
             better = score > best
@@ -524,7 +539,8 @@ if triton is not None:
         """A pass of a nucleus round over the rows listed in ROWS (COUNT of them), in (row, piece) items of PIECE
         tokens that the programs take in turn (a fixed grid: few rows spread over many programs, none cost a
         launch). Over the piece's tokens that may be picked and whose logit is above the row's picked one
-        (NUCLEUS[r, 3]): MASS, the sum of 2^(x - max), the mass above the picked token; else the best noisy score
+        (NUCLEUS[r, 3]): MASS, the sum of 2^(x - NUCLEUS[r, 0]), the mass above the picked token; else the best
+        noisy score
         with its token and x, the pick among them. Tokens above the picked one are above any top-k floor, which
         therefore needs no check here."""
         lanes = tl.arange(0, BLOCK)
@@ -533,7 +549,7 @@ if triton is not None:
             r = tl.load(ROWS + item // pieces)
             piece = item % pieces
             row_logits = LOGITS + r.to(tl.int64) * stride_l
-            top = tl.load(NUCLEUS + r * 4)
+            frame = tl.load(NUCLEUS + r * 4)
             pivot = tl.load(NUCLEUS + r * 4 + 3)
             row_hash = tl.zeros([], tl.uint32)
             if not MASS:
@@ -550,13 +566,13 @@ if triton is not None:
                 for t in tl.static_range(0, PIECE, BLOCK):
                     v = tl.max_contiguous(tl.multiple_of(start + t + lanes, BLOCK), BLOCK)
                     mass, best, token, picked = _nucleus_tile(
-                        row_logits, v, lanes >= 0, scale, top, pivot, row_hash, row_banned, STOP, mass, best, token,
+                        row_logits, v, lanes >= 0, scale, frame, pivot, row_hash, row_banned, STOP, mass, best, token,
                         picked, False, MASS, BAN, ASM)
             else:  # the vocabulary's last, partial piece
                 for t in tl.static_range(0, PIECE, BLOCK):
                     v = start + t + lanes
                     mass, best, token, picked = _nucleus_tile(
-                        row_logits, v, v < vocab, scale, top, pivot, row_hash, row_banned, STOP, mass, best, token,
+                        row_logits, v, v < vocab, scale, frame, pivot, row_hash, row_banned, STOP, mass, best, token,
                         picked, True, MASS, BAN, ASM)
             i = r * pieces + piece
             if MASS:
@@ -625,18 +641,18 @@ SAMPLE_PROGRAMS_PER_SM = 8
 
 def nucleus_rounds(top_p: float) -> int:
     """Nucleus rounds for top_p: enough that a draw still outside the nucleus after them has a probability below
-    1e-9. Each round takes a row's pick, or, when the mass above it reaches top_p, the best pick above it; the mass
-    above a pick is (for a continuous distribution) uniform below the mass above the last, so a row needs more than
-    n rounds when a product of n uniforms stays above top_p: P(Poisson(ln(1 / top_p)) >= n)."""
+    1e-9. Round k checks a row's k-th candidate and, when the mass above it reaches top_p, picks the (k + 1)-th, the
+    best pick above it; the mass above a pick is (for a continuous distribution) uniform below the mass above the
+    last, so the (k + 1)-th candidate is still outside when a product of k + 1 uniforms stays above top_p:
+    P(Poisson(ln(1 / top_p)) >= k + 1)."""
     rate = math.log(1.0 / top_p)
     term = math.exp(-rate)  # P(Poisson = 0)
-    tail, n = 1.0, 0
-    while True:
-        tail -= term  # P(Poisson >= n + 1)
-        n += 1
-        if tail < 1e-9:
-            return n
+    tail, n = 1.0 - term, 1  # P(Poisson >= n)
+    while tail >= 1e-9:
         term *= rate / n
+        tail -= term
+        n += 1
+    return n - 1
 
 
 def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Tensor, keys: torch.Tensor,
@@ -656,10 +672,13 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     pick among the tokens above it is the next candidate, which is the pick over the nucleus once it is in it: each
     round checks one candidate of every row still open (a pass summing the mass above it over those rows only) and
     picks the next for the rows it rejects (a pass over those), in pieces of NUCLEUS_PIECE tokens spread over all
-    programs. rounds: how many (None:
-    nucleus_rounds(top_p)); a row still outside after them keeps its last candidate, which lies above every token
-    outside the nucleus that was rejected.
+    programs. rounds: how many (None: nucleus_rounds(top_p); 0: the first pick, unchecked); a row still outside
+    after them keeps its last candidate, which lies above every token outside the nucleus that was rejected.
     Returns (tokens [R] long, logprobs [R] float32), the log-probs of the untruncated distribution."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if rounds is not None and rounds < 0:
+        raise ValueError(f"rounds must be >= 0 (0: the first pick, unchecked), got {rounds}")
     logits = _rows_contiguous(logits)
     rows, vocab = logits.shape
     device = logits.device
@@ -675,7 +694,7 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     if floored:
         candidates = logits.masked_fill(banned_rows[:, None] & stop_mask[None, :], float("-inf")) if ban else logits
         floors = candidates.topk(top_k, dim=-1).values[:, -1].float().contiguous()  # a column: stride k
-    parts = [torch.empty(rows * chunks, dtype=torch.float32, device=device) for _ in range(5)]
+    parts = [torch.empty(rows * chunks, dtype=torch.float32, device=device) for _ in range(6)]
     token_part = torch.empty(rows * chunks, dtype=torch.int32, device=device)
     tokens = torch.empty(rows, dtype=torch.long, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
@@ -689,13 +708,13 @@ def sample_tokens_impl(logits: torch.Tensor, temperature: float, seed: torch.Ten
     scale = _LOG2_E / temperature if sampled else _LOG2_E
     asm = _ptx(device)
     _sample_chunk[(rows, chunks)](
-        logits, seed, keys, steps, stop, banned, floors if floored else logprobs, parts[0], parts[1], parts[4],
-        parts[2], token_part, parts[3], logits.stride(0), vocab, scale, chunk, chunks,
+        logits, seed, keys, steps, stop, banned, floors if floored else logprobs, parts[0], parts[1], parts[5],
+        parts[4], parts[2], token_part, parts[3], logits.stride(0), vocab, scale, chunk, chunks,
         BLOCK=BLOCK_V, NOISE=sampled, BAN=ban, FLOORED=floored, KEPT_SUM=kept_sum, RATIO=sampled and not ban,
         ASM=asm, num_warps=SAMPLE_WARPS,
     )
-    _merge_samples[(rows,)](parts[0], parts[1], parts[4], parts[2], token_part, parts[3], tokens, logprobs, logits,
-                            state, open_rows, counts, logits.stride(0), top_p, chunks,
+    _merge_samples[(rows,)](parts[0], parts[1], parts[5], parts[4], parts[2], token_part, parts[3], tokens, logprobs,
+                            logits, state, open_rows, counts, logits.stride(0), top_p, chunks,
                             CHUNK_ROWS=_next_power_of_two(chunks), TOP_P=nucleus, KEPT_SUM=kept_sum)
     if rounds:
         pieces = _ceil_div(vocab, NUCLEUS_PIECE)

@@ -130,7 +130,8 @@ def sample_and_record(
     prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
     tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's kernel (one pass over the logits, and with
     top-p a few passes over the rows whose first pick lies outside the nucleus), the draw of
-    sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie).
+    sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie, or,
+    with top-p, where a token's mass above it is within rounding of top_p).
     """
     logits = F.linear(rms_norm(hidden + residual, norm, eps), lm_head)
     gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]

@@ -2,6 +2,7 @@
 on CPU (conftest sets TRITON_INTERPRET=1 without a GPU; on a GPU the same checks run the compiled kernels), and the
 engine decoding through it as through SDPA."""
 
+import dataclasses
 import math
 import shutil
 
@@ -276,8 +277,13 @@ def test_engine_samples_top_k_and_top_p_through_the_kernel_as_through_torch(top_
     model = head16_model(layers=1, kv_heads=1)
     params = SamplingParams(max_new_tokens=10, temperature=1.3, top_k=top_k, top_p=top_p, stop_token_ids=(11, 12),
                             min_new_tokens=2)
-    out, _ = decode_both(model, [[5 + i, 6, 7] for i in range(6)], params)
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    out, _ = decode_both(model, prompts, params)
     assert bool((out.response_mask.sum(1) >= 2).all())
+    # the cut is at work: without it the same seed draws other tokens
+    uncut = NativeEngine(model, 0, max_num_seqs=12, decode_kernels="triton", compile=False).generate(
+        prompts, dataclasses.replace(params, top_k=0, top_p=1.0), torch.Generator(DEVICE).manual_seed(3))
+    assert not torch.equal(uncut.response_ids, out.response_ids)
 
 
 def test_engine_refuses_an_unknown_or_impossible_attention():
@@ -362,25 +368,59 @@ def test_sample_tokens_with_top_k_and_top_p_draws_as_the_pytorch_form(top_k, top
     torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
 
 
-def test_the_nucleus_rounds_bound_the_chance_of_a_draw_left_outside():
-    """nucleus_rounds(top_p) against the tail it bounds, summed directly: P(Poisson(ln 1/top_p) >= n) < 1e-9 at n
-    and not at n - 1; and, on a flat distribution with top_p 0.05, fewer rounds leave some rows' picks outside the
-    nucleus (the rounds are what moves them in)."""
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_top_p_under_a_banned_token_far_above_the_rest(top_k):
+    """top-p at temperature 0.05 in rows whose argmax, a stop token banned before min_new_tokens, lies 20 logits (400
+    nats at this temperature) above every other token: the nucleus is taken over the tokens that may be picked, whose
+    masses measured against the banned maximum would all underflow to 0 (every pick then looked outside the nucleus
+    and the draw climbed to the best allowed token)."""
+    rows, vocab, temperature = 6, 3000, 0.05
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, vocab, generator=gen) * 0.05
+    top = logits.argmax(-1)
+    logits[torch.arange(rows), top] = 20.0
+    stop = torch.zeros(vocab, dtype=torch.bool)
+    stop[top] = True
+    banned_rows = torch.ones(rows, dtype=torch.bool)
+    seed = torch.tensor([9], dtype=torch.int32)
+    keys = torch.arange(rows)
+    noise = gumbel_noise(seed, keys, keys, vocab)
+    banned = banned_rows[:, None] & stop[None, :]
+    want, want_logprobs = sample_with_noise(logits, temperature, top_k, 0.9, banned, noise)
+    greedy = sample_with_noise(logits, 0.0, 0, 1.0, banned, None)[0]
+    assert (want != greedy).sum() >= rows // 2  # the nucleus holds more than the best allowed token
+    args = [t.to(DEVICE) for t in (logits, seed, keys)]
+    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, args[1], args[2], args[2], stop.to(DEVICE),
+                                                  banned_rows.to(DEVICE), 2, top_k=top_k, top_p=0.9)
+    assert torch.equal(tokens.cpu(), want)
+    torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
+
+
+def test_the_nucleus_rounds_bound_the_chance_of_a_draw_left_outside(monkeypatch):
+    """After n rounds a row holds its (n + 1)-th candidate, outside the nucleus when the first n + 1 all were: for a
+    flat distribution (each pick's mass above uniform below the last's) with probability P(Poisson(ln 1/top_p) >=
+    n + 1). nucleus_rounds(top_p) is the fewest rounds that bring this below 1e-9; and on 200 rows of a nearly flat
+    distribution, the share of rows whose draw after n rounds is not the nucleus's (the sorted form's) follows that
+    probability (within 4 standard deviations of a binomial). Three programs take the rounds' items in turn."""
+    def outside(n, rate):
+        return 1 - sum(math.exp(-rate) * rate**i / math.factorial(i) for i in range(n + 1))
+
     for top_p in (0.99, 0.9, 0.5, 0.05):
         n, rate = kernels.nucleus_rounds(top_p), math.log(1 / top_p)
-        tails = [1 - sum(math.exp(-rate) * rate**i / math.factorial(i) for i in range(k)) for k in (n - 1, n)]
-        assert tails[1] < 1e-9 <= tails[0]
-    rows, vocab = 16, 3000
+        assert outside(n, rate) < 1e-9 <= outside(n - 1, rate)
+    monkeypatch.setattr(kernels, "_programs", lambda device, per_sm=2: 3)
+    rows, vocab, top_p = 200, 1000, 0.2
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 0.01).to(DEVICE)
     seed = torch.tensor([5], dtype=torch.int32, device=DEVICE)
     keys = torch.arange(rows, device=DEVICE)
-    # equal logits: the nucleus is every token (all tied), so take a ramp instead: token v has logit v / 1000
-    logits = (torch.arange(vocab, device=DEVICE).float() / 1000).expand(rows, vocab).bfloat16().contiguous()
     noise = gumbel_noise(seed.cpu(), keys.cpu(), keys.cpu(), vocab)
-    want = sample_with_noise(logits.cpu(), 1.0, 0, 0.05, None, noise)[0]
-    full = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=0.05)[0].cpu()
+    want = sample_with_noise(logits.cpu(), 1.0, 0, top_p, None, noise)[0]
+    full = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=top_p)[0].cpu()
     assert torch.equal(full, want)
-    one = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=0.05, rounds=1)[0].cpu()
-    assert (one != want).any() and (one <= want).all()  # a row left outside keeps a candidate below the nucleus
+    for n in (0, 1, 2):
+        tokens = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=top_p, rounds=n)[0]
+        share, p = (tokens.cpu() != want).float().mean().item(), outside(n, math.log(1 / top_p))
+        assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / rows), (n, share, p)
 
 
 @pytest.mark.parametrize("temperature", [0.05, 1.0])
