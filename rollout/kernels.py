@@ -458,8 +458,7 @@ if triton is not None:
     @triton.jit
     def _merge_samples(
         M_PART, S_PART, KEPT_MAX_PART, KEPT_PART, BEST_PART, TOKEN_PART, PICKED_PART, TOKENS, LOGPROBS, LOGITS,
-        NUCLEUS, OPEN,
-        OPEN_COUNT, stride_l, top_p, chunks,
+        NUCLEUS, OPEN, OPEN_COUNT, stride_l, top_p, chunks,
         CHUNK_ROWS: tl.constexpr, TOP_P: tl.constexpr, KEPT_SUM: tl.constexpr,
     ):
         """Program (row): the token of the best chunk (the first on a tie) and its log-prob, (x - log2(sum_v
@@ -540,9 +539,8 @@ if triton is not None:
         tokens that the programs take in turn (a fixed grid: few rows spread over many programs, none cost a
         launch). Over the piece's tokens that may be picked and whose logit is above the row's picked one
         (NUCLEUS[r, 3]): MASS, the sum of 2^(x - NUCLEUS[r, 0]), the mass above the picked token; else the best
-        noisy score
-        with its token and x, the pick among them. Tokens above the picked one are above any top-k floor, which
-        therefore needs no check here."""
+        noisy score with its token and x, the pick among them. Tokens above the picked one are above any top-k
+        floor, which therefore needs no check here."""
         lanes = tl.arange(0, BLOCK)
         items = tl.load(COUNT) * pieces
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
