@@ -642,7 +642,8 @@ def nucleus_rounds(top_p: float) -> int:
     1e-9. Round k checks a row's k-th candidate and, when the mass above it reaches top_p, picks the (k + 1)-th, the
     best pick above it; the mass above a pick is (for a continuous distribution) uniform below the mass above the
     last, so the (k + 1)-th candidate is still outside when a product of k + 1 uniforms stays above top_p:
-    P(Poisson(ln(1 / top_p)) >= k + 1)."""
+    P(Poisson(ln(1 / top_p)) >= k + 1). A bound for real vocabularies too: a token's probability mass of its own
+    only makes the mass strictly above it smaller than uniform."""
     rate = math.log(1.0 / top_p)
     term = math.exp(-rate)  # P(Poisson = 0)
     tail, n = 1.0 - term, 1  # P(Poisson >= n)
