@@ -316,6 +316,14 @@ if triton is not None:
         return top, first, tl.sum(tl.where((best == top) & (token == first), picked, 0.0), 0)
 
     @triton.jit
+    def _store_first_best(BEST_PART, TOKEN_PART, PICKED_PART, i, best, token, picked):
+        """_first_best of the lanes, stored as part i."""
+        part_best, first, at = _first_best(best, token, picked)
+        tl.store(BEST_PART + i, part_best)
+        tl.store(TOKEN_PART + i, first)
+        tl.store(PICKED_PART + i, at)
+
+    @triton.jit
     def _sample_tile(
         row_logits, v, inside, scale, row_hash, row_banned, STOP, row_floor, m, total, kept_max, kept, best, best_e,
         token, picked,
@@ -447,13 +455,10 @@ if triton is not None:
             chunk_kept_max = tl.max(kept_max, 0)
             tl.store(KEPT_MAX_PART + r * chunks + c, chunk_kept_max)
             tl.store(KEPT_PART + r * chunks + c, tl.sum(kept * tl.exp2(kept_max - chunk_kept_max), 0))
-        chunk_best, lane, at = _first_best(best, token, picked)
         i = r * chunks + c
         tl.store(M_PART + i, chunk_max)
         tl.store(S_PART + i, chunk_total)
-        tl.store(BEST_PART + i, chunk_best)
-        tl.store(TOKEN_PART + i, lane)
-        tl.store(PICKED_PART + i, at)
+        _store_first_best(BEST_PART, TOKEN_PART, PICKED_PART, i, best, token, picked)
 
     @triton.jit
     def _merge_samples(
@@ -576,10 +581,7 @@ if triton is not None:
             if MASS:
                 tl.store(MASS_PART + i, tl.sum(mass, 0))
             else:
-                piece_best, lane, at = _first_best(best, token, picked)
-                tl.store(BEST_PART + i, piece_best)
-                tl.store(TOKEN_PART + i, lane)
-                tl.store(PICKED_PART + i, at)
+                _store_first_best(BEST_PART, TOKEN_PART, PICKED_PART, i, best, token, picked)
 
     @triton.jit
     def _nucleus_merge(
