@@ -163,6 +163,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
                               fused_projections=not args.no_fused, decode_kernels=decode_kernels, kernel_ops=ops,
                               max_num_seqs=args.max_num_seqs, resident=not args.no_resident)
         engine.slots.admit_min_free = args.admit_min_free
+        if args.no_prefill_graphs:
+            engine.slots.pad_prefills = False
         if engine.fallback_reason is not None:
             raise SystemExit(f"{name}: the slot engine does not run this model: {engine.fallback_reason}")
         if args.profile:
@@ -281,6 +283,8 @@ def main() -> None:
                              "(default: the engine's, an eighth of the slots)")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-prefill-graphs", action="store_true",
+                        help="launch every prefill op by op (by default a small one replays a CUDA graph)")
     parser.add_argument("--no-fused", action="store_true",
                         help="separate q/k/v and gate/up GEMMs (rollout.fused_projections false)")
     parser.add_argument("--no-resident", action="store_true",

@@ -5,7 +5,8 @@ generate call repeats:
 1. admission: waiting sequences take the free slots, once an eighth of the slots is free (or nothing decodes, or all
    that wait fit): a prefill of a few prompts costs several times their share of a large one. Prefill runs once per
    prompt (prompts batched, right-padded), writes the prompt's keys/values into the slots of all its admitted
-   samples and samples each one's first token.
+   samples and samples each one's first token. On CUDA a small prefill (up to PREFILL_GRAPH_TOKENS padded prompt
+   tokens) is padded to a bucket shape and replayed from a CUDA graph too: launched op by op it is host-bound.
 2. decode: STEPS_PER_CHECK steps over the first B slots (B a batch bucket covering every occupied slot), one token per
    live slot per step. Sampling, stop checks and the bookkeeping run on the device, so on CUDA a step is one replay
    of a graph captured for its (batch bucket, context bucket), and the host only enqueues replays.
@@ -52,6 +53,11 @@ STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idl
 MIN_BATCH_BUCKET = 8
 ADMIT_SHARE = 8  # with sequences decoding, admission waits until this share (1/8) of the slots is free
 CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
+# A prefill of at most this many padded prompt tokens (prompts x width, after padding to the bucket) replays a CUDA
+# graph: its ~23 kernels per layer take ~10-20 ms to launch, several times their device time (0.5B, 1-2k tokens).
+# Its activations stay in the graphs' memory pool while the run is kept (~40 KB per token at 0.5B, ~80 KB at 1.5B).
+PREFILL_GRAPH_TOKENS = 4096
+PREFILL_WIDTH_BUCKET = 64  # a graphed prefill's prompts are right-padded to a multiple of this
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
 DECODE_KERNELS = ("auto", "triton", "torch")
 KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
@@ -192,7 +198,9 @@ class _Run:
         # the seed of the sampling noise and the stop tokens, filled in by each call: graphs read them here
         self.seed = torch.empty(1, dtype=torch.int32, device=device)
         self.stop_mask = torch.empty(w.embed.shape[0], dtype=torch.bool, device=device) if stops else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # the captured steps: decode ("decode", batch bucket, context bucket), prefill ("prefill", *_prefill_shape)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.prefill_inputs: dict[tuple, list[torch.Tensor]] = {}  # a prefill graph's inputs: ids, dest, src, last
         cuda = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.capture_stream = torch.cuda.Stream(device) if cuda else None
@@ -277,8 +285,13 @@ class SlotEngine:
         self._compiled: dict[str, Callable] = {}
         # with sequences decoding, admit waiting ones once this many slots are free (None: slots // ADMIT_SHARE)
         self.admit_min_free: int | None = None
+        # pad a prefill chunk of at most PREFILL_GRAPH_TOKENS to its bucket shape (_prefill_shape) and, with CUDA
+        # graphs, replay it from a graph: None, where graphs are used (cuda_graphs on CUDA); False, never (every
+        # prefill launched op by op); True pads it on any device (tests: padding changes nothing)
+        self.pad_prefills: bool | None = None
         self._warm: set[tuple] = set()  # (bucket, run shapes) that ran once before, so capture needs no warm-up run
-        # of the last generate call: slots, decode_steps, prefills, graphs, kernel_attention and kernel_sampling (1:
+        # of the last generate call: slots, decode_steps, prefills, prefills_padded (to a bucket shape: on CUDA, the
+        # ones replayed from a graph), graphs and prefill_graphs (captured), kernel_attention and kernel_sampling (1:
         # by the Triton kernel), new_run (1: the cache was allocated in this call, 0: a resident run reused); seconds
         # of its phases: prefill_s (the prefill forwards' device time), capture_s (host time capturing graphs, first
         # runs of new shapes included), decode_s (the decode steps' device time)
@@ -324,7 +337,8 @@ class SlotEngine:
                 self._run = run
         else:
             run.reset()
-        self.stats = dict(slots=run.slots, decode_steps=0, prefills=0, graphs=0, new_run=int(new_run),
+        self.stats = dict(slots=run.slots, decode_steps=0, prefills=0, prefills_padded=0, graphs=0, prefill_graphs=0,
+                          new_run=int(new_run),
                           kernel_attention=int(kernel_attention), kernel_sampling=int(kernel_sampling),
                           prefill_s=0.0, capture_s=0.0, decode_s=0.0)
         clock = DeviceClock(device)
@@ -368,8 +382,8 @@ class SlotEngine:
             # wait): a prefill of a few prompts costs several times their share of a large one.
             if waiting and free and (len(free) >= min(admit_min_free, len(waiting)) or not occupied):
                 admitted = [(waiting.popleft(), slot) for slot in free[: len(waiting)]]
-                with clock("prefill_s"):
-                    self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows)
+                self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows,
+                              clock, use_graphs)
                 occupied = run.occupied()
             if not occupied:
                 break
@@ -378,13 +392,15 @@ class SlotEngine:
             steps = min(STEPS_PER_CHECK, max(run.slot_left[s] for s in occupied))
             needed = max(run.slot_pos[s] for s in occupied) + steps
             length = min(run.slot_len, -(-needed // CONTEXT_BUCKET) * CONTEXT_BUCKET)
-            if use_graphs and steps and (batch, length) not in run.graphs:
+            key = ("decode", batch, length)
+            if use_graphs and steps and key not in run.graphs:
                 with clock("capture_s", host=True):
-                    self._graph(run, batch, length, step)
+                    self._graph(run, key, partial(step, batch, length))
+                self.stats["graphs"] += 1
             with clock("decode_s"):
                 for _ in range(steps):
                     if use_graphs:
-                        run.graphs[batch, length].replay()
+                        run.graphs[key].replay()
                     else:
                         step(batch, length)
             self.stats["decode_steps"] += steps
@@ -475,7 +491,8 @@ class SlotEngine:
         logits = self.max_num_seqs * w.embed.shape[0] * 16  # logits and their float32 temporaries
         return prefill + logits
 
-    def _prefill(self, run: _Run, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows) -> None:
+    def _prefill(self, run: _Run, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows, clock,
+                 use_graphs: bool) -> None:
         """Put the admitted (sequence, slot) pairs into their slots: one prefill per prompt, the first token sampled.
         layer: prefill_layer (maybe compiled) with its reduce bound."""
         st, device = run.state, w.embed.device
@@ -504,27 +521,61 @@ class SlotEngine:
             chunks[-1].append(index)
         for chunk in chunks:
             self._prefill_chunk(run, w, [prompts[i] for i in chunk], [by_prompt[i] for i in chunk], layer,
-                                sample_rows)
+                                sample_rows, clock, use_graphs)
 
-    def _prefill_chunk(self, run: _Run, w: DecoderWeights, chunk_prompts, chunk_slots, layer, sample_rows) -> None:
-        """chunk_prompts: P prompts; chunk_slots: the slots of each prompt's admitted samples."""
-        device = w.embed.device
+    def _prefill_chunk(self, run: _Run, w: DecoderWeights, chunk_prompts, chunk_slots, layer, sample_rows, clock,
+                       use_graphs: bool) -> None:
+        """chunk_prompts: P prompts; chunk_slots: the slots of each prompt's admitted samples. A chunk that fits a
+        graph's bucket (_prefill_shape) is padded to it when graphs are used (or pad_prefills says so): prompts of
+        padding only, and rows that repeat the last (slot, prompt) pair, which write the same cache entries and
+        draw the same token again (the draw is a function of the slot's sequence and step)."""
         width = max(len(p) for p in chunk_prompts)
-        ids = torch.tensor([p + [self.pad_token_id] * (width - len(p)) for p in chunk_prompts], device=device)
-        dest = torch.tensor([s for slots in chunk_slots for s in slots], device=device)
-        src = torch.tensor([i for i, slots in enumerate(chunk_slots) for _ in slots], device=device)
+        dest = [s for slots in chunk_slots for s in slots]
+        src = [i for i, slots in enumerate(chunk_slots) for _ in slots]
+        last = [len(p) - 1 for p in chunk_prompts]
+        shape = _prefill_shape(len(chunk_prompts), width, len(dest), run.slot_len)
+        pad = shape is not None and (use_graphs if self.pad_prefills is None else self.pad_prefills)
+        if pad:
+            prompts_b, width, rows_b = shape
+            chunk_prompts = chunk_prompts + [[]] * (prompts_b - len(chunk_prompts))
+            last += [0] * (prompts_b - len(last))
+            dest += [dest[-1]] * (rows_b - len(dest))
+            src += [src[-1]] * (rows_b - len(src))
+            self.stats["prefills_padded"] += 1
+        ids = [p + [self.pad_token_id] * (width - len(p)) for p in chunk_prompts]
+        inputs = [torch.tensor(values) for values in (ids, dest, src, last)]
+        self.stats["prefills"] += 1
+        forward = partial(self._prefill_forward, run, w, layer=layer, sample_rows=sample_rows)
+        if not (pad and use_graphs):
+            with clock("prefill_s"):
+                forward(*(t.to(w.embed.device) for t in inputs))
+            return
+        key = ("prefill", *shape)
+        if key in run.graphs:
+            for buffer, values in zip(run.prefill_inputs[key], inputs):
+                buffer.copy_(values)
+        else:
+            buffers = run.prefill_inputs[key] = [t.to(w.embed.device) for t in inputs]
+            with clock("capture_s", host=True):
+                self._graph(run, key, partial(forward, *buffers))
+            self.stats["prefill_graphs"] += 1
+        with clock("prefill_s"):
+            run.graphs[key].replay()
+
+    @staticmethod
+    def _prefill_forward(run: _Run, w: DecoderWeights, ids, dest, src, last, layer, sample_rows) -> None:
+        """ids: [P, L] right-padded prompts; dest, src: [R] slots and their prompts; last: [P] each prompt's last
+        position. Writes the prompts' keys/values into the slots and samples each slot's first token."""
         hidden = F.embedding(ids, w.embed)
         residual = torch.zeros_like(hidden)
-        cos, sin = run.cos[:width], run.sin[:width]
+        cos, sin = run.cos[: ids.shape[1]], run.sin[: ids.shape[1]]
         for block, k, v in zip(w.layers, run.k, run.v):
             hidden, residual = layer(hidden, residual, block, k, v, dest, src, cos, sin, w.eps, w.head_dim)
-        last = torch.tensor([len(p) - 1 for p in chunk_prompts], device=device)
-        rows = torch.arange(len(chunk_prompts), device=device)
+        rows = torch.arange(ids.shape[0], device=ids.device)
         sample_rows(hidden[rows, last][src], residual[rows, last][src], dest, False)
-        self.stats["prefills"] += 1
 
-    def _graph(self, run: _Run, batch: int, length: int, step: Callable) -> torch.cuda.CUDAGraph:
-        """The decode step over `batch` slots and `length` cache positions as a CUDA graph, captured on first use.
+    def _graph(self, run: _Run, key: tuple, step: Callable[[], None]) -> None:
+        """Capture `step` (a decode step, or a prefill over its input buffers) as the CUDA graph run.graphs[key].
 
         The first capture of a shape needs one run before it (torch.compile compiles, kernels initialise). That run
         really advances the slots, so their state is put back after it; the cache entries and output cells it wrote
@@ -532,28 +583,24 @@ class SlotEngine:
         the seed. Later generate calls with the same shapes capture straight away. Capture goes through
         capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache before every capture.
         """
-        key = (batch, length)
-        if key not in run.graphs:
-            if (key, run.shapes) not in self._warm:
-                st = run.state
-                saved = [t.clone() for t in (st.token, st.pos, st.gen, st.live)]
-                step(batch, length)
-                for t, old in zip((st.token, st.pos, st.gen, st.live), saved):
-                    t.copy_(old)
-                self._warm.add((key, run.shapes))
-            graph = torch.cuda.CUDAGraph()
-            stream = run.capture_stream
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=run.pool)
-                try:
-                    step(batch, length)
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream().wait_stream(stream)
-            run.graphs[key] = graph
-            self.stats["graphs"] += 1
-        return run.graphs[key]
+        if (key, run.shapes) not in self._warm:
+            st = run.state
+            saved = [t.clone() for t in (st.token, st.pos, st.gen, st.live)]
+            step()
+            for t, old in zip((st.token, st.pos, st.gen, st.live), saved):
+                t.copy_(old)
+            self._warm.add((key, run.shapes))
+        graph = torch.cuda.CUDAGraph()
+        stream = run.capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=run.pool)
+            try:
+                step()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        run.graphs[key] = graph
 
     def _check(self, run: _Run, batch: int, steps: int, compact: bool) -> None:
         """Read the live flags and positions of the first `batch` slots (a host sync), free finished slots, and with
@@ -585,6 +632,27 @@ class SlotEngine:
             values = getattr(run, field)
             moved = [values[s] for s in occupied]
             values[:] = moved + ([None] * (slots - count) if field == "slot_seq" else [0] * (slots - count))
+
+
+def _prefill_shape(prompts: int, width: int, rows: int, slot_len: int) -> tuple[int, int, int] | None:
+    """The bucket shape (prompts, width, rows) a prefill chunk of `prompts` prompts of at most `width` tokens for
+    `rows` slots is padded to for a CUDA graph, or None when it is over PREFILL_GRAPH_TOKENS padded tokens."""
+    width = min(slot_len, -(-width // PREFILL_WIDTH_BUCKET) * PREFILL_WIDTH_BUCKET)
+    prompts = _size_bucket(prompts)
+    if prompts * width > PREFILL_GRAPH_TOKENS:
+        return None
+    return prompts, width, _size_bucket(rows)
+
+
+def _size_bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) at least n: a third of
+    a bucket at most is padding."""
+    bucket = 1
+    while bucket < n:
+        if bucket >= 2 and bucket * 3 // 2 >= n:
+            return bucket * 3 // 2
+        bucket *= 2
+    return bucket
 
 
 def _batch_bucket(needed: int, slots: int) -> int:

@@ -50,7 +50,11 @@ def test_graphs_sampled_logprobs_match_teacher_forcing(model):
 def test_graphs_and_eager_draw_the_same_samples(model):
     params = SamplingParams(max_new_tokens=20, temperature=1.0, n=2)
     seed = lambda: torch.Generator("cuda").manual_seed(5)
-    fast = NativeEngine(model, PAD, max_num_seqs=3).generate(PROMPTS, params, seed())
+    # 3 slots for 8 sequences: prefills of 1-2 prompts, each padded to its bucket and replayed from a graph
+    engine = NativeEngine(model, PAD, max_num_seqs=3)
+    engine.slots.admit_min_free = 1
+    fast = engine.generate(PROMPTS, params, seed())
+    assert engine.stats["prefill_graphs"] >= 2 and engine.stats["prefills_padded"] == engine.stats["prefills"] >= 3
     eager = NativeEngine(model, PAD, cuda_graphs=False, compile=False).generate(PROMPTS, params, seed())
     assert torch.equal(fast.response_ids, eager.response_ids)
     torch.testing.assert_close(fast.logprobs, eager.logprobs, atol=1e-4, rtol=0)
@@ -74,13 +78,14 @@ def test_graphs_and_compile_decode_through_the_kernels_as_through_torch():
     torch.testing.assert_close(outs["triton"].logprobs, outs["torch"].logprobs, atol=1e-5, rtol=0)
 
 
-def test_a_call_that_only_prefills_captures_no_graph_and_times_its_phases(model):
+def test_a_call_that_only_prefills_captures_no_decode_graph_and_times_its_phases(model):
     # max_new_tokens 1: every slot finishes at its prefill, so there is no decode step to capture (a graph was
-    # captured for zero steps before); the phase clock reads the prefill's device time from CUDA events.
+    # captured for zero steps before), only the prefill's; the phase clock reads the prefill's device time from CUDA
+    # events.
     engine = NativeEngine(model, PAD)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=1, temperature=0), torch.Generator("cuda"))
     assert out.response_mask.sum().item() == len(PROMPTS)
-    assert engine.stats["graphs"] == 0 and engine.stats["decode_steps"] == 0 and engine.stats["capture_s"] == 0
+    assert engine.stats["graphs"] == 0 and engine.stats["decode_steps"] == 0 and engine.stats["prefill_graphs"] == 1
     assert engine.stats["prefill_s"] > 0
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0))
     assert engine.stats["graphs"] >= 1 and engine.stats["capture_s"] > 0 and engine.stats["decode_s"] > 0
@@ -103,7 +108,8 @@ def test_a_resident_engine_replays_its_graphs_on_the_new_weights():
         for p in model.parameters():
             p.mul_(0.5)
     second = kept.generate(prompts, params, seed())
-    assert kept.stats["new_run"] == 0 and kept.stats["graphs"] == 0 and kept.stats["capture_s"] == 0
+    assert kept.stats["new_run"] == 0 and kept.stats["graphs"] == kept.stats["prefill_graphs"] == 0
+    assert kept.stats["capture_s"] == 0 and kept.stats["prefills_padded"] == kept.stats["prefills"] > 0
     expected = NativeEngine(model, PAD, max_num_seqs=16, resident=False).generate(prompts, params, seed())
     assert not torch.allclose(second.logprobs, first.logprobs)
     assert torch.equal(second.response_ids, expected.response_ids)

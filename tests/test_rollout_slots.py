@@ -179,6 +179,39 @@ def test_small_prefill_chunks_give_the_same_samples(model):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+def test_prefills_padded_to_their_graph_buckets_give_the_same_samples(model):
+    # What a graphed prefill runs (CUDA replays it; pad_prefills pads on CPU too): 5 prompts x 3 samples on 7 slots,
+    # admitted in pieces, so the prefills take 1-5 prompts and 1-7 rows: padded to 6 prompts / 3, 4, 6, 8 rows, the
+    # extra rows repeating a (slot, prompt) pair. Stop tokens, min_new_tokens and per-prompt limits included.
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2]]
+    limits = [6, 14, 3, 9, 11]
+    params = SamplingParams(max_new_tokens=14, temperature=1.0, n=3, stop_token_ids=(7,), min_new_tokens=2)
+    seed = lambda: torch.Generator().manual_seed(21)
+    plain = NativeEngine(model, PAD, max_num_seqs=7)
+    expected = plain.generate(prompts, params, seed(), max_new_tokens=limits)
+    padded = NativeEngine(model, PAD, max_num_seqs=7)
+    padded.slots.pad_prefills = True
+    padded.slots.admit_min_free = 1
+    out = padded.generate(prompts, params, seed(), max_new_tokens=limits)
+    assert plain.stats["prefills_padded"] == 0
+    assert padded.stats["prefills_padded"] == padded.stats["prefills"] >= 3
+    assert torch.equal(out.response_ids, expected.response_ids)
+    assert torch.equal(out.response_mask, expected.response_mask)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+
+
+def test_prefill_buckets_are_the_smallest_allowed_size():
+    sizes = sorted({2**k for k in range(14)} | {3 * 2**k for k in range(13)})
+    for n in range(1, 3000):
+        assert slots._size_bucket(n) == min(size for size in sizes if size >= n), n
+    width = slots.PREFILL_WIDTH_BUCKET
+    assert slots._prefill_shape(5, width + 1, 11, slot_len=4096) == (6, 2 * width, 12)
+    assert slots._prefill_shape(1, 10, 1, slot_len=24) == (1, 24, 1)  # a bucket never passes the slot
+    fits = slots.PREFILL_GRAPH_TOKENS // width
+    assert slots._prefill_shape(fits, width, fits, slot_len=4096) == (fits, width, fits)
+    assert slots._prefill_shape(fits + 1, width, 1, slot_len=4096) is None
+
+
 def test_every_admission_schedule_gives_the_same_samples(model):
     # 20 sequences on 6 slots, limits 1..25: waiting sequences are admitted as soon as a slot is free, or only once
     # admit_min_free slots are. Sampling is a function of (seed, sequence, step), so every schedule gives what one
