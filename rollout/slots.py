@@ -2,11 +2,12 @@
 
 Every sequence being generated owns a slot: one row of the KV cache with room for its prompt and its response. A
 generate call repeats:
-1. admission: waiting sequences take the free slots, once an eighth of the slots is free (or nothing decodes, or all
-   that wait fit): a prefill of a few prompts costs several times their share of a large one. Prefill runs once per
-   prompt (prompts batched, right-padded), writes the prompt's keys/values into the slots of all its admitted
-   samples and samples each one's first token. On CUDA a small prefill (up to PREFILL_GRAPH_TOKENS padded prompt
-   tokens) is padded to a bucket shape and replayed from a CUDA graph too: launched op by op it is host-bound.
+1. admission: waiting sequences take the free slots. Prefill runs once per prompt (prompts batched, right-padded),
+   writes the prompt's keys/values into the slots of all its admitted samples and samples each one's first token.
+   With CUDA graphs a small prefill (up to PREFILL_GRAPH_TOKENS padded prompt tokens) is padded to a bucket shape and
+   replayed from a graph, and a slot is refilled as soon as it is free. Launched op by op a small prefill is
+   host-bound, several times its share of a large one, so without graphs admission waits until an eighth of the
+   slots is free (or nothing decodes, or all that wait fit).
 2. decode: STEPS_PER_CHECK steps over the first B slots (B a batch bucket covering every occupied slot), one token per
    live slot per step. Sampling, stop checks and the bookkeeping run on the device, so on CUDA a step is one replay
    of a graph captured for its (batch bucket, context bucket), and the host only enqueues replays.
@@ -283,7 +284,8 @@ class SlotEngine:
         self._run: _Run | None = None  # resident: the last call's run
         self._gathered_bytes = 0  # resident, FSDP2: the gathered parameters' bytes, which the next rollout gathers
         self._compiled: dict[str, Callable] = {}
-        # with sequences decoding, admit waiting ones once this many slots are free (None: slots // ADMIT_SHARE)
+        # with sequences decoding, admit waiting ones once this many slots are free (None: 1 where prefills replay
+        # CUDA graphs, else slots // ADMIT_SHARE)
         self.admit_min_free: int | None = None
         # pad a prefill chunk of at most PREFILL_GRAPH_TOKENS to its bucket shape (_prefill_shape) and, with CUDA
         # graphs, replay it from a graph: None, where graphs are used (cuda_graphs on CUDA); False, never (every
@@ -374,12 +376,13 @@ class SlotEngine:
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))
-        admit_min_free = self.admit_min_free or max(1, run.slots // ADMIT_SHARE)
+        graphed_prefills = use_graphs and self.pad_prefills is not False
+        admit_min_free = self.admit_min_free or (1 if graphed_prefills else max(1, run.slots // ADMIT_SHARE))
         while True:
             free = [s for s, seq in enumerate(run.slot_seq) if seq is None]
             occupied = run.occupied()
             # With sequences still decoding, admission waits for admit_min_free free slots (or room for all that
-            # wait): a prefill of a few prompts costs several times their share of a large one.
+            # wait): launched op by op, a prefill of a few prompts costs several times their share of a large one.
             if waiting and free and (len(free) >= min(admit_min_free, len(waiting)) or not occupied):
                 admitted = [(waiting.popleft(), slot) for slot in free[: len(waiting)]]
                 self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows,
