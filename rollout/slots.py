@@ -639,8 +639,13 @@ class SlotEngine:
 
 def _prefill_shape(prompts: int, width: int, rows: int, slot_len: int) -> tuple[int, int, int] | None:
     """The bucket shape (prompts, width, rows) a prefill chunk of `prompts` prompts of at most `width` tokens for
-    `rows` slots is padded to for a CUDA graph, or None when it is over PREFILL_GRAPH_TOKENS padded tokens."""
-    width = min(slot_len, -(-width // PREFILL_WIDTH_BUCKET) * PREFILL_WIDTH_BUCKET)
+    `rows` slots is padded to for a CUDA graph, or None when it is over PREFILL_GRAPH_TOKENS padded tokens.
+
+    The width stays below the slot's length, as a prompt's does (a slot holds at least one generated token): traced
+    at a width equal to the cache's slot length, the compiled prefill (dynamic shapes) took the two for one size, and
+    a later call with a longer slot failed Inductor's size assertion (torch 2.11 on a GPU, 2.13 on CPU)."""
+    bucket = -(-width // PREFILL_WIDTH_BUCKET) * PREFILL_WIDTH_BUCKET
+    width = bucket if bucket < slot_len else width
     prompts = _size_bucket(prompts)
     if prompts * width > PREFILL_GRAPH_TOKENS:
         return None

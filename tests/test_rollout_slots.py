@@ -206,7 +206,13 @@ def test_prefill_buckets_are_the_smallest_allowed_size():
         assert slots._size_bucket(n) == min(size for size in sizes if size >= n), n
     width = slots.PREFILL_WIDTH_BUCKET
     assert slots._prefill_shape(5, width + 1, 11, slot_len=4096) == (6, 2 * width, 12)
-    assert slots._prefill_shape(1, 10, 1, slot_len=24) == (1, 24, 1)  # a bucket never passes the slot
+    # the width stays below the slot's length (a compiled prefill as wide as the slot failed on a longer slot later)
+    assert slots._prefill_shape(1, 10, 1, slot_len=24) == (1, 10, 1)
+    assert slots._prefill_shape(1, 10, 1, slot_len=width) == (1, 10, 1)
+    for slot_len in range(2, 3 * width):
+        for prompt in range(1, slot_len):
+            padded = slots._prefill_shape(1, prompt, 1, slot_len)[1]
+            assert prompt <= padded < slot_len and (padded == prompt or padded % width == 0)
     fits = slots.PREFILL_GRAPH_TOKENS // width
     assert slots._prefill_shape(fits, width, fits, slot_len=4096) == (fits, width, fits)
     assert slots._prefill_shape(fits + 1, width, 1, slot_len=4096) is None
