@@ -52,11 +52,12 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
   max_new_tokens rounded up to 8, slots = min(max_num_seqs, a rank's sequences, budget // slot_len), budget =
   rollout.kv_cache_tokens or else what rollout.gpu_memory_utilization x GPU leaves once everything above is
   allocated (the engine's rule; when that is less than one slot the rollout does not fit).
-  With rollout.resident the engine keeps its weight buffers, the KV cache and the decode graphs' pool (slots x V x
-  16) between rollouts, and every other phase holds them too. On the actor's pool (FSDP2) its weight buffers are a
-  copy of the whole local model in param_dtype (in the fused copies' place), the gathered model is freed before
-  the decoding, and the budget above leaves room for the next rollout's gathering beside the cache: the rollout's
-  peak is copy + the larger of (kept cache + graphs' pool + gathered model) and (cache + transient). A replica
+  With rollout.resident the engine keeps its weight buffers, the KV cache and the graphs' pool (the decode steps'
+  slots x V x 16, and a graphed prefill's activations: min(PREFILL_GRAPH_TOKENS, max_prefill_tokens) (6 h + 3 i +
+  2 (q + 2 k)) b) between rollouts, and every other phase holds them too. On the actor's pool (FSDP2) its weight
+  buffers are a copy of the whole local model in param_dtype (in the fused copies' place), the gathered model is
+  freed before the decoding, and the budget above leaves room for the next rollout's gathering beside the cache: the
+  rollout's peak is copy + the larger of (kept cache + graphs' pool + gathered model) and (cache + transient). A replica
   keeps its fused copies, cache and graphs. The engine does not keep a cache that rollout.gpu_memory_utilization
   cuts short, but a first rollout (before the optimizer's state exists) may keep one that later ones would cut: a
   cache sized from the share counts as kept at its uncut size, slots = min(max_num_seqs, a rank's sequences).
@@ -388,7 +389,8 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     per_token = 2 * m.layers * k * b
     prefill_tokens = r.max_prefill_tokens if compact else _ceil_div(seqs, r.n) * cfg.data.max_prompt_len
     rows = r.max_num_seqs if compact else seqs
-    work = prefill_tokens * (6 * h + 3 * i + 2 * (q + 2 * k)) * b + rows * m.vocab * 16
+    per_prefill_token = (6 * h + 3 * i + 2 * (q + 2 * k)) * b  # a prefill's activations per prompt token
+    work = prefill_tokens * per_prefill_token + rows * m.vocab * 16
     budget = r.kv_cache_tokens if compact else None
     if compact and budget is None and cfg.run.device != "cpu":
         # the engine's rule: with its own copy, room for the next gathering (or the transients) beside the cache
@@ -405,12 +407,17 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     kv = slots * slot_len * per_token
     kept = 0
     if compact and r.resident:
-        # the weight buffers, the cache and the decode graphs' pool (the step's logits and sampling temporaries, as
-        # in work). The engine keeps a cache the share did not cut, sized by the call's sequences and the memory
-        # free then: a first rollout, before the optimizer's state exists, may keep one that later ones would cut.
-        # So a cache sized from the share counts here uncut (an upper bound), kv_cache_tokens' as it is.
+        # the weight buffers, the cache and the graphs' pool (the decode step's logits and sampling temporaries, as
+        # in work, and a graphed prefill's activations: rollout/slots.py). The engine keeps a cache the share did
+        # not cut, sized by the call's sequences and the memory free then: a first rollout, before the optimizer's
+        # state exists, may keep one that later ones would cut. So a cache sized from the share counts here uncut
+        # (an upper bound), kv_cache_tokens' as it is.
         kept_slots = slots if r.kv_cache_tokens is not None else min(r.max_num_seqs, seqs)
-        graphs = kept_slots * m.vocab * 16 if r.cuda_graphs and cfg.run.device != "cpu" else 0
+        graphs = 0
+        if r.cuda_graphs and cfg.run.device != "cpu":
+            from rollout.slots import PREFILL_GRAPH_TOKENS
+
+            graphs = kept_slots * m.vocab * 16 + min(PREFILL_GRAPH_TOKENS, r.max_prefill_tokens) * per_prefill_token
         kept = fused + kept_slots * slot_len * per_token + graphs
     return EnginePlan("native" if compact else "native-hf", weights, fused, work, kv, slots, slot_len, error,
                       (slot_len - budget) * per_token if error else 0, kept, copy)

@@ -26,6 +26,9 @@ from conftest import ROOT, explain, run_python, torchrun
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
             max_position_embeddings=128)
+# a graphed prefill's activations in the resident engine's pool: 4096 prompt tokens (slots.PREFILL_GRAPH_TOKENS) of
+# 6 h + 3 i + 2 (q + 2 k) float32 values each (h 64, i 160, q = 4 heads x 16, k = 2 x 16)
+PREFILL_POOL = 4096 * (6 * 64 + 3 * 160 + 2 * (64 + 2 * 32)) * 4
 
 
 def tiny_model(directory, vocab_size=96, weights=True, **kwargs):
@@ -309,8 +312,9 @@ def test_a_rollout_over_the_world_plans_an_engine_on_every_pool(tmp_path, monkey
     assert alone["engine"] is None
     # the replica stays between rollouts: every phase of the critic and the reference holds it too
     assert alone["phases"].keys() == other["phases"].keys() - {"rollout"} == {"critic update", "critic forward"}
-    # and, resident (the default), its fused copies, KV cache and decode graphs' pool (slots x vocabulary x 16)
-    graphs = other["engine"]["slots"] * 32000 * 16
+    # and, resident (the default), its fused copies, KV cache and graphs' pool (slots x vocabulary x 16, and a graphed
+    # prefill's activations)
+    graphs = other["engine"]["slots"] * 32000 * 16 + PREFILL_POOL
     assert other["engine"]["kept"] == other["engine"]["fused"] + other["engine"]["kv"] + graphs > graphs
     assert all(other["phases"][k] == v + whole + other["engine"]["kept"] for k, v in alone["phases"].items())
 
@@ -334,7 +338,7 @@ def test_a_resident_engine_holds_its_copy_and_cache_in_every_phase(tmp_path, mon
     # quickstart: 32 prompts x 4 samples on one rank, slots of 16 + 5 tokens rounded up to 8; per token 2 (k, v)
     # x 2 layers x 2 kv heads x 16 (head_dim) floats
     kv = 32 * 4 * 24 * (2 * 2 * 2 * 16 * 4)
-    graphs = 32 * 4 * 32000 * 16  # 128 slots' logits and sampling temporaries in the graphs' pool
+    graphs = 32 * 4 * 32000 * 16 + PREFILL_POOL  # 128 slots' logits and sampling temporaries, a graphed prefill
     e, p = kept["engine"], plain["engine"]
     assert (e["weights"], e["fused"], e["kv"], e["kept"], e["frees_gathered"]) == \
         (whole, whole, kv, whole + kv + graphs, True)
@@ -348,7 +352,8 @@ def test_a_resident_engine_holds_its_copy_and_cache_in_every_phase(tmp_path, mon
     # A cache the GPU share cuts short (here fewer slots than the 128 sequences) is not kept by the engine, but a
     # first rollout, before the optimizer's state exists, may keep it uncut: the plan counts the uncut cache as kept.
     cfg = C.load_config(config, ["rollout.max_new_tokens=100"])
-    uncut = whole + 128 * 120 * (2 * 2 * 2 * 16 * 4) + 128 * 32000 * 16  # slots of 16 + 100 tokens rounded to 120
+    # slots of 16 + 100 tokens rounded to 120
+    uncut = whole + 128 * 120 * (2 * 2 * 2 * 16 * 4) + 128 * 32000 * 16 + PREFILL_POOL
     for gib, cut in ((0.52, True), (0.6, False)):
         e = P.make_plan(cfg, 1, int(gib * P.GiB)).pools[0].engine
         assert e.error is None and (e.slots < 128) == cut, (gib, e)
@@ -357,7 +362,7 @@ def test_a_resident_engine_holds_its_copy_and_cache_in_every_phase(tmp_path, mon
     # kv_cache_tokens sizes the cache the engine keeps: 40 slots of 120 tokens
     e = P.make_plan(C.load_config(config, ["rollout.max_new_tokens=100", "rollout.kv_cache_tokens=4800"]), 1,
                     int(0.6 * P.GiB)).pools[0].engine
-    assert e.slots == 40 and e.kept == whole + e.kv + 40 * 32000 * 16
+    assert e.slots == 40 and e.kept == whole + e.kv + 40 * 32000 * 16 + PREFILL_POOL
 
 
 def test_world_from_torchrun_environment(tmp_path, monkeypatch, capsys):
