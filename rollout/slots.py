@@ -230,14 +230,14 @@ class SlotEngine:
     max_num_seqs: slots at most (the decode batch). kv_cache_tokens: the KV cache's size in tokens (slots x slot
     length); None sizes it on CUDA from gpu_memory_utilization (the share of the GPU's memory this process may hold
     in all, weights and training state included) and on CPU from max_num_seqs. max_prefill_tokens: prompt tokens
-    (padded) per prefill forward, which bounds its activations. cuda_graphs / compile: capture the decode step in
-    CUDA graphs, and compile its blocks and sampling with torch.compile first (CUDA only; compile is skipped under
-    tensor parallelism, whose all-reduce runs between the compiled pieces). fused_projections: decode with stacked
-    q/k/v and gate/up weights, copied every call (rollout/decoder). decode_kernels: "auto" (the
-    Triton kernels of rollout/kernels.py where they run: CUDA with Triton, head_dim a power of two; else PyTorch's
-    SDPA and sampling.py), "triton" (the kernels or an error saying why not) or "torch". kernel_ops: which of them
-    (KERNEL_OPS: decode attention; sampling, top-k and top-p included) - all unless a benchmark
-    measures them one by one.
+    (padded) per prefill forward, which bounds its activations. cuda_graphs / compile: capture the decode step (and
+    each small prefill's bucket shape) in CUDA graphs, and compile its blocks and sampling with torch.compile first
+    (CUDA only; compile is skipped under tensor parallelism, whose all-reduce runs between the compiled pieces).
+    fused_projections: decode with stacked q/k/v and gate/up weights, copied every call (rollout/decoder).
+    decode_kernels: "auto" (the Triton kernels of rollout/kernels.py where they run: CUDA with Triton, head_dim a
+    power of two; else PyTorch's SDPA and sampling.py), "triton" (the kernels or an error saying why not) or
+    "torch". kernel_ops: which of them (KERNEL_OPS: decode attention; sampling, top-k and top-p included) - all
+    unless a benchmark measures them one by one.
     resident: keep the decode weights, the KV cache and the captured graphs from one call to the next, so that a call
     of the same shapes captures nothing and allocates nothing. The weights are then the engine's own buffers (the
     stacked q/k/v and gate/up, and, when FSDP2 shards the model, a copy of every parameter: FSDP2 unshards into new
