@@ -53,14 +53,15 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
   rollout.kv_cache_tokens or else what rollout.gpu_memory_utilization x GPU leaves once everything above is
   allocated (the engine's rule; when that is less than one slot the rollout does not fit).
   With rollout.resident the engine keeps its weight buffers, the KV cache and the graphs' pool (the decode steps'
-  slots x V x 16, and a graphed prefill's activations: min(PREFILL_GRAPH_TOKENS, max_prefill_tokens) (6 h + 3 i +
-  2 (q + 2 k)) b) between rollouts, and every other phase holds them too. On the actor's pool (FSDP2) its weight
-  buffers are a copy of the whole local model in param_dtype (in the fused copies' place), the gathered model is
-  freed before the decoding, and the budget above leaves room for the next rollout's gathering beside the cache: the
-  rollout's peak is copy + the larger of (kept cache + graphs' pool + gathered model) and (cache + transient). A replica
-  keeps its fused copies, cache and graphs. The engine does not keep a cache that rollout.gpu_memory_utilization
-  cuts short, but a first rollout (before the optimizer's state exists) may keep one that later ones would cut: a
-  cache sized from the share counts as kept at its uncut size, slots = min(max_num_seqs, a rank's sequences).
+  slots x V x 16, and a graphed prefill's activations: PREFILL_GRAPH_TOKENS (6 h + 3 i + 2 (q + 2 k)) b, also counted
+  in the transient) between rollouts, and every other phase holds them too. On the actor's pool (FSDP2) its weight
+  buffers are a copy of the whole local model in param_dtype (in the fused copies' place), the gathered model is freed
+  before the decoding, and the budget above leaves room for the next rollout's gathering beside the cache: the
+  rollout's peak is copy + the larger of (kept cache + graphs' pool + gathered model) and (cache + transient). A
+  replica keeps its fused copies, cache and graphs. The engine does not keep a cache that
+  rollout.gpu_memory_utilization cuts short, but a first rollout (before the optimizer's state exists) may keep one
+  that later ones would cut: a cache sized from the share counts as kept at its uncut size, slots = min(max_num_seqs,
+  a rank's sequences).
   vLLM: rollout.gpu_memory_utilization x GPU on top of the training state; it sleeps between rollouts, so the
   other phases count none of it.
 A rank's peak is its largest phase: the resident state (every hosted role's parameters and optimizer state) plus
@@ -390,6 +391,10 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     prefill_tokens = r.max_prefill_tokens if compact else _ceil_div(seqs, r.n) * cfg.data.max_prompt_len
     rows = r.max_num_seqs if compact else seqs
     per_prefill_token = (6 * h + 3 * i + 2 * (q + 2 * k)) * b  # a prefill's activations per prompt token
+    if compact and r.cuda_graphs and cfg.run.device != "cpu":
+        from rollout.slots import PREFILL_GRAPH_TOKENS
+
+        prefill_tokens += PREFILL_GRAPH_TOKENS  # a graphed prefill's activations stay in the pool beside an eager one
     work = prefill_tokens * per_prefill_token + rows * m.vocab * 16
     budget = r.kv_cache_tokens if compact else None
     if compact and budget is None and cfg.run.device != "cpu":
@@ -417,7 +422,7 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
         if r.cuda_graphs and cfg.run.device != "cpu":
             from rollout.slots import PREFILL_GRAPH_TOKENS
 
-            graphs = kept_slots * m.vocab * 16 + min(PREFILL_GRAPH_TOKENS, r.max_prefill_tokens) * per_prefill_token
+            graphs = kept_slots * m.vocab * 16 + PREFILL_GRAPH_TOKENS * per_prefill_token
         kept = fused + kept_slots * slot_len * per_token + graphs
     return EnginePlan("native" if compact else "native-hf", weights, fused, work, kv, slots, slot_len, error,
                       (slot_len - budget) * per_token if error else 0, kept, copy)

@@ -280,7 +280,8 @@ def main() -> None:
                              "waiting ones (continuous batching)")
     parser.add_argument("--admit-min-free", type=int, default=None,
                         help="with sequences decoding, admit waiting ones only when this many slots are free "
-                             "(default: the engine's, an eighth of the slots)")
+                             "(default: the engine's: with prefill graphs the samples per prompt, else an eighth of "
+                             "the slots)")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-prefill-graphs", action="store_true",

@@ -48,7 +48,8 @@ class NativeEngine:
     Slot path only (see rollout/slots.py): max_num_seqs bounds the sequences decoded at once; kv_cache_tokens sizes
     the KV cache in tokens, or else gpu_memory_utilization (the share of the GPU's memory this process may hold in
     all) does on CUDA; max_prefill_tokens bounds the padded prompt tokens of one prefill forward; cuda_graphs and
-    compile turn on CUDA-graph capture of the decode step and torch.compile of its pieces (CUDA only).
+    compile turn on CUDA-graph capture of the decode step (and of small prefills) and torch.compile of its pieces
+    (CUDA only).
     fused_projections: decode with q/k/v and gate/up stacked into one weight each, refilled once per rollout (one
     GEMM where there were three and two; the copies hold about two thirds of the decoder blocks' weights).
     decode_kernels: "auto", "triton" or "torch", the decode step's attention and sampling kernels, kernel_ops which

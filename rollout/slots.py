@@ -285,8 +285,8 @@ class SlotEngine:
         self._run: _Run | None = None  # resident: the last call's run
         self._gathered_bytes = 0  # resident, FSDP2: the gathered parameters' bytes, which the next rollout gathers
         self._compiled: dict[str, Callable] = {}
-        # with sequences decoding, admit waiting ones once this many slots are free (None: 1 where prefills replay
-        # CUDA graphs, else slots // ADMIT_SHARE)
+        # with sequences decoding, admit waiting ones once this many slots are free (None: where prefills replay
+        # CUDA graphs the samples per prompt, n, up to slots // ADMIT_SHARE; else slots // ADMIT_SHARE)
         self.admit_min_free: int | None = None
         # pad a prefill chunk of at most PREFILL_GRAPH_TOKENS to its bucket shape (_prefill_shape) and, with CUDA
         # graphs, replay it from a graph: None, where graphs are used (cuda_graphs on CUDA); False, never (every
@@ -378,7 +378,9 @@ class SlotEngine:
 
         waiting = deque(range(num_seqs))
         graphed_prefills = use_graphs and self.pad_prefills is not False
-        admit_min_free = self.admit_min_free or (1 if graphed_prefills else max(1, run.slots // ADMIT_SHARE))
+        # with graphs at once, but for a whole prompt's n samples (one prefill each, not one per sample)
+        eighth = max(1, run.slots // ADMIT_SHARE)
+        admit_min_free = self.admit_min_free or (min(n, eighth) if graphed_prefills else eighth)
         while True:
             free = [s for s, seq in enumerate(run.slot_seq) if seq is None]
             occupied = run.occupied()
@@ -491,7 +493,9 @@ class SlotEngine:
         """A rough bound on the transient memory of a prefill forward and a decode step, kept out of the KV cache."""
         hidden, inter = w.embed.shape[1], w.layers[0].gate.shape[0]
         width = w.layers[0].q.shape[0] + 2 * w.kv_heads * w.head_dim
-        prefill = self.max_prefill_tokens * (6 * hidden + 3 * inter + 2 * width) * w.embed.element_size()
+        # an eager prefill's, and beside it a graphed prefill's activations held in the graphs' pool
+        tokens = self.max_prefill_tokens + (PREFILL_GRAPH_TOKENS if self.cuda_graphs else 0)
+        prefill = tokens * (6 * hidden + 3 * inter + 2 * width) * w.embed.element_size()
         logits = self.max_num_seqs * w.embed.shape[0] * 16  # logits and their float32 temporaries
         return prefill + logits
 
@@ -644,9 +648,9 @@ def _prefill_shape(prompts: int, width: int, rows: int, slot_len: int) -> tuple[
 
     The width stays below the slot's length, as a prompt's does (a slot holds at least one generated token): traced
     at a width equal to the cache's slot length, the compiled prefill (dynamic shapes) took the two for one size, and
-    a later call with a longer slot failed Inductor's size assertion (torch 2.11 on a GPU, 2.13 on CPU)."""
-    bucket = -(-width // PREFILL_WIDTH_BUCKET) * PREFILL_WIDTH_BUCKET
-    width = bucket if bucket < slot_len else width
+    a later call with a longer slot failed Inductor's size assertion (torch 2.11 on a GPU, 2.13 on CPU). Where the
+    bucket would reach the slot, the width is the slot's length less one: one shape, not one per prompt width."""
+    width = min(-(-width // PREFILL_WIDTH_BUCKET) * PREFILL_WIDTH_BUCKET, slot_len - 1)
     prompts = _size_bucket(prompts)
     if prompts * width > PREFILL_GRAPH_TOKENS:
         return None

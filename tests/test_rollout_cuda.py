@@ -50,7 +50,7 @@ def test_graphs_sampled_logprobs_match_teacher_forcing(model):
 def test_graphs_and_eager_draw_the_same_samples(model):
     params = SamplingParams(max_new_tokens=20, temperature=1.0, n=2)
     seed = lambda: torch.Generator("cuda").manual_seed(5)
-    # 3 slots for 8 sequences: prefills of 1-2 prompts, each padded to its bucket and replayed from a graph
+    # 3 slots for 8 sequences: prefills of 1-2 prompts and 2-3 rows, each replayed from its bucket's graph
     engine = NativeEngine(model, PAD, max_num_seqs=3)
     engine.slots.admit_min_free = 1
     fast = engine.generate(PROMPTS, params, seed())

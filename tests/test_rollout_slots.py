@@ -180,24 +180,27 @@ def test_small_prefill_chunks_give_the_same_samples(model):
 
 
 def test_prefills_padded_to_their_graph_buckets_give_the_same_samples(model):
-    # What a graphed prefill runs (CUDA replays it; pad_prefills pads on CPU too): 5 prompts x 3 samples on 7 slots,
-    # admitted in pieces, so the prefills take 1-5 prompts and 1-7 rows: padded to 6 prompts / 3, 4, 6, 8 rows, the
-    # extra rows repeating a (slot, prompt) pair. Stop tokens, min_new_tokens and per-prompt limits included.
+    # What a graphed prefill runs (CUDA replays it; pad_prefills pads on CPU too). 5 prompts of up to 7 tokens x 2
+    # samples in 10 slots of 7 + 56 -> 64 positions: one prefill padded in every dimension, 5 -> 6 prompts (one of
+    # padding only), width 7 -> 63 (the slot less one), 10 -> 12 rows (two repeating a (slot, prompt) pair). Then
+    # x 3 samples on 7 slots, admitted in pieces (rows 7 -> 8). Stop tokens, min_new_tokens and per-prompt limits.
     prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2]]
-    limits = [6, 14, 3, 9, 11]
-    params = SamplingParams(max_new_tokens=14, temperature=1.0, n=3, stop_token_ids=(7,), min_new_tokens=2)
-    seed = lambda: torch.Generator().manual_seed(21)
-    plain = NativeEngine(model, PAD, max_num_seqs=7)
-    expected = plain.generate(prompts, params, seed(), max_new_tokens=limits)
-    padded = NativeEngine(model, PAD, max_num_seqs=7)
-    padded.slots.pad_prefills = True
-    padded.slots.admit_min_free = 1
-    out = padded.generate(prompts, params, seed(), max_new_tokens=limits)
-    assert plain.stats["prefills_padded"] == 0
-    assert padded.stats["prefills_padded"] == padded.stats["prefills"] >= 3
-    assert torch.equal(out.response_ids, expected.response_ids)
-    assert torch.equal(out.response_mask, expected.response_mask)
-    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+    assert max(len(p) for p in prompts) == 7 and slots._prefill_shape(5, 7, 10, slot_len=64) == (6, 63, 12)
+    for n, max_num_seqs, limits in ((2, 10, [6, 56, 3, 9, 11]), (3, 7, [6, 14, 3, 9, 11])):
+        params = SamplingParams(max_new_tokens=max(limits), temperature=1.0, n=n, stop_token_ids=(7,),
+                                min_new_tokens=2)
+        seed = lambda: torch.Generator().manual_seed(21)
+        plain = NativeEngine(model, PAD, max_num_seqs=max_num_seqs)
+        expected = plain.generate(prompts, params, seed(), max_new_tokens=limits)
+        padded = NativeEngine(model, PAD, max_num_seqs=max_num_seqs)
+        padded.slots.pad_prefills = True
+        padded.slots.admit_min_free = 1
+        out = padded.generate(prompts, params, seed(), max_new_tokens=limits)
+        assert plain.stats["prefills_padded"] == 0
+        assert padded.stats["prefills_padded"] == padded.stats["prefills"] >= (1 if n == 2 else 3)
+        assert torch.equal(out.response_ids, expected.response_ids)
+        assert torch.equal(out.response_mask, expected.response_mask)
+        torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
 
 
 def test_prefill_buckets_are_the_smallest_allowed_size():
@@ -207,12 +210,12 @@ def test_prefill_buckets_are_the_smallest_allowed_size():
     width = slots.PREFILL_WIDTH_BUCKET
     assert slots._prefill_shape(5, width + 1, 11, slot_len=4096) == (6, 2 * width, 12)
     # the width stays below the slot's length (a compiled prefill as wide as the slot failed on a longer slot later)
-    assert slots._prefill_shape(1, 10, 1, slot_len=24) == (1, 10, 1)
-    assert slots._prefill_shape(1, 10, 1, slot_len=width) == (1, 10, 1)
+    assert slots._prefill_shape(1, 10, 1, slot_len=24) == (1, 23, 1)
+    assert slots._prefill_shape(1, 10, 1, slot_len=width) == (1, width - 1, 1)
     for slot_len in range(2, 3 * width):
         for prompt in range(1, slot_len):
             padded = slots._prefill_shape(1, prompt, 1, slot_len)[1]
-            assert prompt <= padded < slot_len and (padded == prompt or padded % width == 0)
+            assert prompt <= padded < slot_len and (padded % width == 0 or padded == slot_len - 1)
     fits = slots.PREFILL_GRAPH_TOKENS // width
     assert slots._prefill_shape(fits, width, fits, slot_len=4096) == (fits, width, fits)
     assert slots._prefill_shape(fits + 1, width, 1, slot_len=4096) is None
