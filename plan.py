@@ -391,7 +391,8 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     prefill_tokens = r.max_prefill_tokens if compact else _ceil_div(seqs, r.n) * cfg.data.max_prompt_len
     rows = r.max_num_seqs if compact else seqs
     per_prefill_token = (6 * h + 3 * i + 2 * (q + 2 * k)) * b  # a prefill's activations per prompt token
-    if compact and r.cuda_graphs and cfg.run.device != "cpu":
+    graphs_used = compact and r.cuda_graphs and cfg.run.device != "cpu"
+    if graphs_used:
         from rollout.slots import PREFILL_GRAPH_TOKENS
 
         prefill_tokens += PREFILL_GRAPH_TOKENS  # a graphed prefill's activations stay in the pool beside an eager one
@@ -418,11 +419,7 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
         # state exists, may keep one that later ones would cut. So a cache sized from the share counts here uncut
         # (an upper bound), kv_cache_tokens' as it is.
         kept_slots = slots if r.kv_cache_tokens is not None else min(r.max_num_seqs, seqs)
-        graphs = 0
-        if r.cuda_graphs and cfg.run.device != "cpu":
-            from rollout.slots import PREFILL_GRAPH_TOKENS
-
-            graphs = kept_slots * m.vocab * 16 + PREFILL_GRAPH_TOKENS * per_prefill_token
+        graphs = kept_slots * m.vocab * 16 + PREFILL_GRAPH_TOKENS * per_prefill_token if graphs_used else 0
         kept = fused + kept_slots * slot_len * per_token + graphs
     return EnginePlan("native" if compact else "native-hf", weights, fused, work, kv, slots, slot_len, error,
                       (slot_len - budget) * per_token if error else 0, kept, copy)
