@@ -468,7 +468,11 @@ class PrometheusGauges:
         from prometheus_client import CollectorRegistry, start_http_server  # optional: only when a port is set
 
         self.registry = CollectorRegistry()
-        self.server, _ = start_http_server(port, registry=self.registry)
+        try:
+            self.server, _ = start_http_server(port, registry=self.registry)
+        except OSError as e:  # a user's choice (the port is taken, or reserved): a config error, not a crash
+            raise ValueError(f"run.prometheus_port={port}: cannot serve metrics on it ({e.strerror or e}); pick a "
+                             "free port, or null for no endpoint") from e
         self.gauges: dict = {}
 
     def set(self, metrics: dict[str, float]) -> None:

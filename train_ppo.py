@@ -201,10 +201,15 @@ class PPOTrainer:
                 log.warning("removed %s, a checkpoint an earlier run did not finish writing", name)
         self.pending_save: checkpoint.PendingSave | None = None
         self.clock: tuple[int, float] | None = None  # (first step, its start time) of this process: the ETA
+        problem = None
         if self.rank == 0:
-            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
-            with open(os.path.join(run_dir, "config.yaml"), "w") as f:  # the resolved config of this start
-                yaml.safe_dump(C.to_dict(cfg), f, sort_keys=False)
+            try:
+                self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
+            except ValueError as e:  # the Prometheus port is taken
+                problem = str(e)
+        if anyone(problem is not None):
+            raise C.ConfigError(problem or "run.prometheus_port: rank 0 cannot serve metrics there (its message says "
+                                "why)")
 
     def _check_rewards(self) -> None:
         """Every reward function called once on the first train and the first eval record, on the reward ranks;
@@ -513,6 +518,9 @@ class PPOTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         start, before = self._resume()
+        if self.rank == 0:  # only once the start is accepted: a refused one leaves the run's config as it was
+            with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:  # the resolved config of this start
+                yaml.safe_dump(C.to_dict(cfg), f, sort_keys=False)
         self.weights_version = start
         if self.rank == 0 and cfg.run.wandb:  # after the resume check: a refused resume leaves W&B untouched
             self.logger.open_wandb(fresh=start == 0, project=cfg.run.wandb_project, entity=cfg.run.wandb_entity,
