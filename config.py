@@ -716,6 +716,8 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
     if cfg.data.batch_size % dp:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be a multiple of the actor pool's "
                           f"data-parallel size {dp} (each dp rank generates for an equal share)")
+    if this_machine:
+        check_run_dir(cfg)
     if not cfg.quickstart.enabled and this_machine:
         train = [] if path_list(cfg.data.rollouts_path) else [("data.train_path", cfg.data.train_path)]
         _check_found([*train, ("model.path", cfg.model.path)],
@@ -734,6 +736,30 @@ def _check_found(required: list[tuple[str, str | None]], optional: list[tuple[st
         for i, path in enumerate(paths):
             if not os.path.exists(path):
                 raise ConfigError(f"{key}{f'[{i}]' if len(paths) > 1 else ''}={path!r}: not found")
+
+
+def check_run_dir(cfg: Config) -> None:
+    """The run folder (run.output_dir/run.name) is a folder this process can make or write: not a file, not a
+    symbolic link to nothing, under a writable folder."""
+    out, run_dir = cfg.run.output_dir, os.path.join(cfg.run.output_dir, cfg.run.name)
+    if os.path.islink(run_dir) and not os.path.exists(run_dir):
+        raise ConfigError(f"run.name={cfg.run.name!r}: the run folder {run_dir} is a symbolic link to "
+                          f"{os.readlink(run_dir)!r}, which does not exist; remove the link or make its target")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"run.name={cfg.run.name!r}: {run_dir} is a file, not a run folder; pick another run.name "
+                          "or run.output_dir")
+    probe = run_dir  # the nearest folder that exists: the one the run folder is made in, or the run folder itself
+    while not os.path.lexists(probe) and os.path.dirname(probe) not in ("", probe):
+        probe = os.path.dirname(probe)
+    probe = probe if os.path.lexists(probe) else "."
+    if not os.path.isdir(probe):
+        raise ConfigError(f"run.output_dir={out!r}: {probe} is a file (or a broken link), not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.output_dir={out!r}: {probe} is not writable by this user; pick a folder you can "
+                          "write (run.output_dir=...)")
+    wandb_dir = os.path.join(run_dir, "wandb")
+    if cfg.run.wandb and os.path.lexists(wandb_dir) and not os.path.isdir(wandb_dir):
+        raise ConfigError(f"run.wandb=true: {wandb_dir} (where W&B writes) is a file, not a folder; remove it")
 
 
 def path_list(path: str | list[str] | None) -> list[str]:
@@ -763,8 +789,6 @@ def check_vllm(cfg: Config, world_size: int, this_machine: bool = True) -> None:
     import importlib.util
 
     if cfg.rollout.ranks == "actor" and cfg.placement.mode == "split":
-    if this_machine:
-        check_run_dir(cfg)
         raise ConfigError("rollout.ranks=actor with rollout.engine=vllm and placement.mode=split: vLLM's external "
                           "launcher makes every rank of the world an engine worker, so the rollout spans the world; "
                           "use rollout.ranks=auto (or all)")
@@ -785,30 +809,6 @@ PPO_RANGES = (
     ("run.total_steps", "[0, inf)"), ("run.log_every", "[1, inf)"), ("run.eval_every", "[0, inf)"),
     ("run.epochs", "[1, inf)"), ("distributed.timeout_s", "[1, inf)"),
     ("data.batch_size", "[1, inf)"), ("data.max_prompt_len", "[1, inf)"), ("data.eval_size", "[0, inf)"),
-def check_run_dir(cfg: Config) -> None:
-    """The run folder (run.output_dir/run.name) is a folder this process can make or write: not a file, not a
-    symbolic link to nothing, under a writable folder."""
-    out, run_dir = cfg.run.output_dir, os.path.join(cfg.run.output_dir, cfg.run.name)
-    if os.path.islink(run_dir) and not os.path.exists(run_dir):
-        raise ConfigError(f"run.name={cfg.run.name!r}: the run folder {run_dir} is a symbolic link to "
-                          f"{os.readlink(run_dir)!r}, which does not exist; remove the link or make its target")
-    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ConfigError(f"run.name={cfg.run.name!r}: {run_dir} is a file, not a run folder; pick another run.name "
-                          "or run.output_dir")
-    probe = run_dir  # the nearest folder that exists: the one the run folder is made in, or the run folder itself
-    while not os.path.lexists(probe) and os.path.dirname(probe) not in ("", probe):
-        probe = os.path.dirname(probe)
-    probe = probe if os.path.lexists(probe) else "."
-    if not os.path.isdir(probe):
-        raise ConfigError(f"run.output_dir={out!r}: {probe} is a file (or a broken link), not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.output_dir={out!r}: {probe} is not writable by this user; pick a folder you can "
-                          "write (run.output_dir=...)")
-    wandb_dir = os.path.join(run_dir, "wandb")
-    if cfg.run.wandb and os.path.lexists(wandb_dir) and not os.path.isdir(wandb_dir):
-        raise ConfigError(f"run.wandb=true: {wandb_dir} (where W&B writes) is a file, not a folder; remove it")
-
-
     ("rollout.n", "[1, inf)"), ("rollout.max_new_tokens", "[1, inf)"), ("rollout.temperature", "(0, inf)"),
     ("rollout.top_p", "(0, 1]"), ("rollout.top_k", "[0, inf)"), ("rollout.eval_temperature", "[0, inf)"),
     ("rollout.eval_n", "[1, inf)"), ("rollout.max_num_seqs", "[1, inf)"), ("rollout.kv_cache_tokens", "[1, inf)"),
@@ -892,6 +892,7 @@ def check_rm(cfg: Config, world_size: int) -> None:
                           "share")
     _check_found([("rm.train_path", cfg.rm.train_path), ("model.path", cfg.model.path)],
                  [("rm.eval_path", cfg.rm.eval_path)])
+    check_run_dir(cfg)
 
 
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:
@@ -971,7 +972,6 @@ def _field_comments(cls) -> dict[str, tuple[list[str], str]]:
         comment = re.match(r"\s+#\s?(.*)", line)
         if comment:
             above.append(comment[1])
-    check_run_dir(cfg)
             continue
         item = re.match(r"\s+(\w+)\s*:[^#]*(?:#\s?(.*))?", line)
         if item and item[1] in names and item[1] not in out:
