@@ -93,6 +93,15 @@ def _agree(error: str | None) -> str | None:
     return next((e for e in everyone if e), None)
 
 
+def interrupted(e: BaseException) -> bool:
+    """A Ctrl-C, bare or as DCP passes it on (a CheckpointException holding each rank's KeyboardInterrupt): the user
+    stopping the run, never a disk or file fault."""
+    if isinstance(e, KeyboardInterrupt):
+        return True
+    failures = e.failures if isinstance(e, CheckpointException) else {}
+    return any(isinstance(failure[0], KeyboardInterrupt) for failure in failures.values())
+
+
 def _describe(e: BaseException) -> str:
     """An exception as one short line for a message every rank shares."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
@@ -187,7 +196,9 @@ class PendingSave:
         try:
             for future in self.futures:
                 future.result()
-        except Exception as e:  # a background write failed (disk full): every rank learns it below
+        except (Exception, CheckpointException) as e:  # a background write failed (disk full): every rank learns it
+            if interrupted(e):
+                raise KeyboardInterrupt from e
             error = _describe(e)
         error = _agree(error)
         if error is None:
@@ -228,6 +239,8 @@ def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dic
         if rank == 0:
             torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
     except (Exception, CheckpointException) as e:  # a full disk, a failed write on this rank
+        if interrupted(e):  # Ctrl-C while writing: the partial folder goes at the next start
+            raise KeyboardInterrupt from e
         error = _describe(e)
     error = _agree(error)
     if error is not None:
@@ -280,6 +293,8 @@ def load(path: str, roles: dict) -> tuple[dict, dict | None]:
         if trainer_state["world_size"] == world:
             rank_state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=True)
     except (Exception, CheckpointException) as e:  # a corrupt or truncated file: all ranks must move on together
+        if interrupted(e):  # Ctrl-C while reading: not a reason to skip this checkpoint
+            raise KeyboardInterrupt from e
         error = f"{type(e).__name__}: {e}"
     if anyone(error is not None):
         raise RuntimeError(error or "another rank could not read its part")

@@ -753,6 +753,17 @@ def on_stop_signal(signum, frame) -> None:
     STOP_SIGNAL["received"] = True
 
 
+def on_interrupt(signum, frame) -> None:
+    """Ctrl-C (SIGINT): the first one stops as SIGTERM does (finish the step, save, exit 0); a second one stops at
+    once, without saving (KeyboardInterrupt, exit 130)."""
+    if STOP_SIGNAL["received"]:
+        raise KeyboardInterrupt
+    STOP_SIGNAL["received"] = True
+    if os.environ.get("RANK", "0") == "0":  # a terminal's Ctrl-C reaches every rank of the job
+        os.write(2, b"\nCtrl-C: finishing this step, then saving a checkpoint and exiting; "
+                    b"Ctrl-C again to stop at once without saving\n")
+
+
 def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
     """`key: old -> new` for every leaf that differs between two config dicts (nested sections dotted)."""
     out = []
@@ -797,6 +808,7 @@ def main(argv: list[str]) -> int:
         print(layout.describe(), flush=True)
     signal.signal(signal.SIGTERM, on_stop_signal)
     signal.signal(signal.SIGUSR1, on_stop_signal)
+    signal.signal(signal.SIGINT, on_interrupt)
     try:
         trainer = PPOTrainer(cfg, layout, info.device)
     except ValueError as e:  # bad data or reward spec: every rank hits it, before any step
@@ -826,4 +838,11 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training set up its handler
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted: stopped at once, without saving; the last complete checkpoint is intact (a partial "
+                  "one is removed at the next start)", file=sys.stderr, flush=True)
+        code = 130
+    exit_process(code)
