@@ -181,6 +181,36 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(0)
 
 
+# meshrl's top-level folder: its modules (config, tasks, algo, batch, plan, monitor, checkpoint, ...) have names a
+# user's reward folder may have too
+_MESHRL_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+def _user_sys_path() -> list[str]:
+    """The workers' sys.path: this process's, less meshrl's top-level folder where it is there only because Python
+    put the folder of the script it runs (train_ppo.py) first, so that a user's `config.py` or `tasks/` is not
+    hidden by ours. A user who names that folder in PYTHONPATH keeps it."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not main_file or os.path.dirname(os.path.realpath(main_file)) != _MESHRL_ROOT:
+        return list(sys.path)
+    named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    if _MESHRL_ROOT in named:
+        return list(sys.path)
+    return [p for p in sys.path if os.path.realpath(p or os.curdir) != _MESHRL_ROOT]
+
+
+def _forget_meshrl_modules() -> None:
+    """Drop what spawn imported of meshrl to start a worker (`tasks`, `tasks.rewards`) from sys.modules, so that the
+    user's module of the same name is imported from the user's path."""
+    ours = set()
+    for name in {n.partition(".")[0] for n in sys.modules}:
+        path = os.path.realpath(getattr(sys.modules.get(name), "__file__", None) or os.devnull)
+        if path in (os.path.join(_MESHRL_ROOT, name + ".py"), os.path.join(_MESHRL_ROOT, name, "__init__.py")):
+            ours.add(name)
+    for name in [n for n in sys.modules if n.partition(".")[0] in ours]:
+        del sys.modules[name]
+
+
 def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     """Worker loop: load the function, say "ready", then score (index, response, ground_truth, prompt) tasks until
     a None task or the parent's end of the pipe closes."""
@@ -188,6 +218,8 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     sys.path[:] = sys_path
+    if spec.partition(":")[0] not in ("__main__", "__mp_main__"):
+        _forget_meshrl_modules()
     try:
         function = load_reward_function(spec)
         convention = reward_convention(function, spec)
@@ -242,9 +274,9 @@ class _Worker:
     def __init__(self, context, spec: str):
         self.conn, child_conn = context.Pipe()
         # The user's module may be importable only through paths added at run time (pytest's pythonpath, a script's
-        # sys.path.insert), so the worker gets this process's sys.path explicitly.
+        # sys.path.insert), so the worker gets this process's sys.path explicitly (less meshrl's own folder).
         self.process = context.Process(
-            target=_worker_main, args=(child_conn, spec, list(sys.path)), daemon=True, name="meshrl-reward-worker"
+            target=_worker_main, args=(child_conn, spec, _user_sys_path()), daemon=True, name="meshrl-reward-worker"
         )
         with _main_script_hidden(spec):
             self.process.start()

@@ -67,3 +67,21 @@ def test_ctrl_c_twice_during_a_save_stops_at_once_and_is_no_disk_failure(assets,
     proc = run_python(["train_ppo.py", "--config", cfg, "run.total_steps=2"], timeout=300)
     assert proc.returncode == 0 and "resumed from" in proc.stderr, explain(proc)
     assert ckpts(tmp_path / "runs") == ["latest", "step_00000001", "step_00000002"]
+
+
+def test_the_reward_workers_import_the_users_config_and_tasks_not_meshrls(assets, tmp_path):  # noqa: F811
+    """A user's reward folder with its own `config.py` and `tasks/` package, as meshrl has: the workers import the
+    user's (meshrl's folder is on the trainer's path only because train_ppo.py runs from it)."""
+    user = tmp_path / "job"
+    (user / "tasks").mkdir(parents=True)
+    (user / "config.py").write_text("WEIGHT = 0.25\n")
+    (user / "tasks" / "__init__.py").write_text("")
+    (user / "tasks" / "scoring.py").write_text("def weighted(x):\n    return x\n")
+    (user / "my_reward.py").write_text("import config\nfrom tasks.scoring import weighted\n\n\n"
+                                       "def score(response, ground_truth, prompt):\n"
+                                       "    return weighted(config.WEIGHT)\n")
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
+                       reward={"functions": [{"spec": "my_reward:score"}]})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, PYTHONPATH=str(user))
+    assert proc.returncode == 0, explain(proc)
+    assert read_metrics(tmp_path / "runs")[0]["eval/score/mean"] == 0.25
