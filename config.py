@@ -23,7 +23,7 @@ from typing import Literal
 
 import yaml
 
-ROLES = ("actor", "critic", "reference", "reward")
+ROLES = ("actor", "critic", "reference", "reward", "teacher")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -225,16 +225,40 @@ class GuardConfig:
 
 
 @dataclass
+class DistillConfig:
+    # on-policy distillation (teacher.model_path scores the actor's own samples): per-token reward
+    # -coef * (log p_actor - log p_teacher), the reverse KL's k1 estimate, added like the KL in the reward
+    # (GAE / REINFORCE++ per token; GRPO / RLOO / REINFORCE++-baseline summed over the response). 0: off
+    coef: float = 0.0
+    task_weight: float = 1.0  # the task reward's weight beside it (0: the teacher's signal alone)
+
+
+@dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    # reinforce_pp_baseline: REINFORCE++ with a group-mean baseline, whitened over the batch (rollout.n >= 2)
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
     gamma: float = 1.0
     lam: float = 0.95
     norm_by_std: bool = True  # grpo; false: Dr. GRPO
     whiten_advantages: bool = True  # gae
     kl: KLConfig = field(default_factory=KLConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     filters: FilterConfig = field(default_factory=FilterConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling for the engine/trainer mismatch (algo/rollout_correction.py): weights by
+    rho = pi_trainer / pi_engine per token or per sequence, truncated at weight_cap; masks of the tokens or sequences
+    whose rho (per token, product or geometric mean) leaves [mask_low, mask_high]."""
+
+    weight: Literal["off", "token", "sequence"] = "off"
+    weight_cap: float = 2.0
+    mask: Literal["off", "token", "sequence", "geometric"] = "off"
+    mask_low: float = 0.5
+    mask_high: float = 2.0
 
 
 @dataclass
@@ -255,7 +279,12 @@ class ActorConfig:
         "token-mean"
     )
     entropy_coef: float = 0.0
-    tis_cap: float | None = None
+    # the per-token objective (algo/objectives.py): ppo (clipped ratio), gspo / gspo_token (one geometric-mean ratio
+    # per sequence; pair with loss_agg seq-mean-token-mean and small clips, e.g. 3e-4 / 4e-4), cispo (clipped,
+    # stop-gradient weight times log-prob; clip_low 1 = no lower bound)
+    policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo"] = "ppo"
+    tis_cap: float | None = None  # shorthand for rollout_correction {weight: token, weight_cap: tis_cap}
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # PPO's old log-probs. auto: when the update is the rollout's only optimizer step (ppo_epochs 1, one mini-batch, no
     # KL term, no replay, not offline), the update's own forward gives them, detached (ratio 1: the same loss and
     # gradient, one forward pass fewer); forward: always a separate forward pass before the update
@@ -277,6 +306,14 @@ class CriticConfig:
 @dataclass
 class ReferenceConfig:
     model_path: str | None = None  # default: the actor's
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (algorithm.distill): any causal LM with the actor's tokenizer, frozen."""
+
+    model_path: str | None = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -432,8 +469,9 @@ class CheckpointConfig:
 # checkpoint.allow_config_change lists them; every other change is logged.
 RESUME_PROTECTED = (
     "model.path", "model.tokenizer_path", "actor.model_path", "critic.model_path", "reference.model_path",
-    "reward.model_path", "data.train_path", "data.rollouts_path", "data.prompt_key", "data.batch_size", "data.shuffle",
-    "rollout.n", "algorithm.adv_estimator", "quickstart.hidden_size", "quickstart.num_layers",
+    "teacher.model_path", "reward.model_path", "data.train_path", "data.rollouts_path", "data.prompt_key",
+    "data.batch_size", "data.shuffle", "rollout.n", "algorithm.adv_estimator", "quickstart.hidden_size",
+    "quickstart.num_layers",
 )
 
 
@@ -449,6 +487,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -468,6 +507,19 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     for item in overrides:
         _apply_override(raw, item)
     return build(Config, raw, "")
+
+
+def check_given_once(overrides: list[str]) -> None:
+    """A command line sets each key once: a key given twice (or a section and a key inside it) is a slip, whichever
+    came last would win silently. (load_config itself layers overrides: later ones win.)"""
+    given: dict[str, str] = {}  # dotted key -> the override that set it
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        for other, first in given.items():
+            if "=" in item and (key == other or key.startswith(other + ".") or other.startswith(key + ".")):
+                raise ConfigError(f"overrides {first!r} and {item!r} both set {min(key, other, key=len)}; give it "
+                                  "once")
+        given[key] = item
 
 
 def _read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None) -> dict:
@@ -524,7 +576,12 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); e.g. "
+                          "'reward.functions=[{spec: gsm8k, weight: 1.0}]', quoted for the shell") from None
 
 
 # keys that existed once, with what replaced them
@@ -664,7 +721,7 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
     machine rather than the config (the data and model files exist, vLLM and wandb are installed): the planner's
     view of a cluster's config on a laptop."""
     check_world(cfg, world_size, required_roles(cfg))
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
                           "compares the samples of a prompt; set rollout.n >= 2")
     check_ranges(cfg, PPO_RANGES)
@@ -684,11 +741,20 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           "whose samples all score the same, i.e. every group of one; set rollout.n >= 2")
     r = cfg.rollout
     truncated = r.top_p < 1 or r.top_k > 0
-    if cfg.actor.tis_cap is not None and truncated and r.engine == "native" and not cfg.data.rollouts_path:
-        raise ConfigError(f"actor.tis_cap with rollout.top_p={r.top_p} / top_k={r.top_k}: truncated importance "
+    corr = cfg.actor.rollout_correction
+    correcting = [k for k, on in (("actor.tis_cap", cfg.actor.tis_cap is not None),
+                                  ("actor.rollout_correction.weight", corr.weight != "off"),
+                                  ("actor.rollout_correction.mask", corr.mask != "off")) if on]
+    if correcting and truncated and r.engine == "native" and not cfg.data.rollouts_path:
+        raise ConfigError(f"{correcting[0]} with rollout.top_p={r.top_p} / top_k={r.top_k}: importance "
                           "sampling weighs by the probability a token was sampled with, and the native engine "
                           "reports log-probs before the top-k/top-p cut (the weights would ignore it); sample "
                           "with top_p=1 and top_k=0, or use rollout.engine=vllm, whose log-probs are after the cut")
+    if cfg.actor.tis_cap is not None and corr.weight != "off":
+        raise ConfigError(f"actor.tis_cap={cfg.actor.tis_cap} and actor.rollout_correction.weight={corr.weight}: "
+                          "both set importance weights; tis_cap is the short form of weight=token, "
+                          "weight_cap=tis_cap. Keep one")
+    check_objective(cfg)
     if cfg.rollout.engine == "vllm":
         check_vllm(cfg, world_size, this_machine)
     elif cfg.rollout.decode_kernels == "triton":
@@ -699,6 +765,7 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           f"{cfg.rollout.max_new_tokens} (the penalty ramps over the last N tokens of a response)")
     if cfg.algorithm.kl.in_reward and cfg.algorithm.kl.in_loss:
         raise ConfigError("algorithm.kl.in_reward and algorithm.kl.in_loss are both true; choose one")
+    _check_positions(cfg, required_roles(cfg))
     if cfg.reward.model_path is None and not cfg.reward.functions and "reward" in required_roles(cfg):
         raise ConfigError("reward: set reward.model_path or reward.functions (e.g. [{spec: gsm8k}])")
     if cfg.run.wandb and this_machine:
@@ -821,8 +888,11 @@ PPO_RANGES = (
     ("algorithm.replay.capacity", "[1, inf)"), ("algorithm.replay.mix_fraction", "[0, 1]"),
     ("algorithm.guard.kl_limit", "(0, inf)"), ("algorithm.guard.var_limit", "(0, inf)"),
     ("actor.ppo_epochs", "[1, inf)"), ("actor.mini_batch_size", "[0, inf)"), ("actor.micro_batch_tokens", "[1, inf)"),
-    ("actor.clip_low", "[0, 1)"), ("actor.clip_high", "[0, inf)"), ("actor.dual_clip", "(1, inf)"),
+    ("actor.clip_low", "[0, 1]"), ("actor.clip_high", "[0, inf)"), ("actor.dual_clip", "(1, inf)"),
     ("actor.entropy_coef", "[0, inf)"), ("actor.tis_cap", "(0, inf)"),
+    ("actor.rollout_correction.weight_cap", "(0, inf)"), ("actor.rollout_correction.mask_low", "[0, 1)"),
+    ("actor.rollout_correction.mask_high", "(1, inf)"),
+    ("algorithm.distill.coef", "[0, inf)"), ("algorithm.distill.task_weight", "[0, inf)"),
     ("critic.ppo_epochs", "[1, inf)"), ("critic.mini_batch_size", "[0, inf)"),
     ("critic.micro_batch_tokens", "[1, inf)"), ("critic.value_clip", "(0, inf)"),
     *((f"{role}.optim.{key}", interval) for role in ("actor", "critic") for key, interval in (
@@ -863,6 +933,35 @@ def check_ranges(cfg: Config, ranges) -> None:
             raise ConfigError(f"{role}.optim.betas={betas}: expected two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
+def check_objective(cfg: Config) -> None:
+    """The policy objective, distillation and the KL guard rail against each other (part of check_ppo)."""
+    a, algo = cfg.actor, cfg.algorithm
+    if a.clip_low == 1 and a.policy_loss != "cispo":
+        raise ConfigError(f"actor.clip_low=1 with actor.policy_loss={a.policy_loss}: a ratio clipped at 0 from below "
+                          "is no trust region; clip_low=1 (no lower bound) is for policy_loss=cispo, whose clip "
+                          "bounds an importance weight. Use a value in [0, 1)")
+    if a.dual_clip is not None and a.policy_loss != "ppo":
+        raise ConfigError(f"actor.dual_clip={a.dual_clip} with actor.policy_loss={a.policy_loss}: the dual clip "
+                          "bounds the ppo objective's loss for negative advantages; unset it or use policy_loss=ppo")
+    if algo.distill.coef > 0 and not cfg.teacher.model_path:
+        raise ConfigError(f"algorithm.distill.coef={algo.distill.coef}: on-policy distillation needs a teacher; set "
+                          "teacher.model_path (a causal LM with the actor's tokenizer)")
+    if cfg.teacher.model_path and algo.distill.coef == 0:
+        raise ConfigError(f"teacher.model_path={cfg.teacher.model_path!r} with algorithm.distill.coef=0: the teacher "
+                          "would be loaded and never used; set algorithm.distill.coef > 0 (e.g. 1.0) or unset "
+                          "teacher.model_path")
+    samples = cfg.data.batch_size * cfg.rollout.n
+    one_step = a.ppo_epochs == 1 and not 0 < a.mini_batch_size < samples
+    # offline and replayed samples keep another policy's log-probs: their ratio moves from the first step
+    if algo.guard.kl_limit is not None and not (algo.kl.in_reward or algo.kl.in_loss) and one_step and \
+            not cfg.data.rollouts_path and not algo.replay.enabled:
+        raise ConfigError(f"algorithm.guard.kl_limit={algo.guard.kl_limit} without a reference model and with one "
+                          "optimizer step per rollout: the only KL left is the update's own ratio (actor/ppo_kl), "
+                          "which is exactly 0 when every sample is trained in one step, so the rail could never "
+                          "fire. Add a KL term (algorithm.kl.in_reward or in_loss, which brings the reference), or "
+                          "take several steps per rollout (actor.ppo_epochs > 1 or a smaller actor.mini_batch_size)")
+
+
 def check_sft(cfg: Config, world_size: int) -> None:
     """Everything train_sft.py needs: one pool of all ranks for the model being fine-tuned."""
     check_world(cfg, world_size, ())
@@ -893,6 +992,31 @@ def check_rm(cfg: Config, world_size: int) -> None:
     _check_found([("rm.train_path", cfg.rm.train_path), ("model.path", cfg.model.path)],
                  [("rm.eval_path", cfg.rm.eval_path)])
     check_run_dir(cfg)
+
+
+def _check_positions(cfg: Config, roles: tuple[str, ...]) -> None:
+    """The longest sequence, data.max_prompt_len + rollout.max_new_tokens, fits in the max_position_embeddings of
+    every causal LM of the run whose config.json is on this machine (a hub id, or a model built at run time as the
+    quickstart's, is checked where it is loaded)."""
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    models = {}
+    for role in ("actor", "critic", "reference", "teacher"):
+        if role in roles:
+            own = getattr(cfg, role).model_path
+            models.setdefault(f"{role}.model_path" if own else "model.path", own or cfg.model.path)
+    for key, path in models.items():
+        file = path if path.endswith(".json") else os.path.join(path, "config.json")
+        try:
+            with open(file) as f:
+                arch = json.load(f)
+        except (OSError, ValueError):
+            continue
+        limit = arch.get("max_position_embeddings", (arch.get("text_config") or {}).get("max_position_embeddings"))
+        if isinstance(limit, int) and longest > limit:
+            raise ConfigError(
+                f"data.max_prompt_len={cfg.data.max_prompt_len} + rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
+                f" = {longest} tokens: more than the model's max_position_embeddings={limit} ({key}={path!r}); "
+                f"lower them to add up to at most {limit}")
 
 
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:
@@ -1023,6 +1147,8 @@ def old_logprobs_pass(cfg: Config) -> str | None:
                 "mini-batches train on weights that have moved")
     if algo.kl.in_reward or algo.kl.in_loss:
         return "algorithm.kl: the KL to the reference is measured on them before the update"
+    if algo.distill.coef > 0:
+        return "algorithm.distill: the KL to the teacher is measured on them before the update"
     if algo.replay.enabled:
         return "algorithm.replay: replayed samples keep the log-probs of the policy that sampled them"
     return None
@@ -1046,6 +1172,8 @@ def required_roles(cfg: Config) -> tuple[str, ...]:
         roles.append("critic")
     if cfg.algorithm.kl.in_reward or cfg.algorithm.kl.in_loss:
         roles.append("reference")
+    if cfg.algorithm.distill.coef > 0:
+        roles.append("teacher")
     return tuple(roles)
 
 
@@ -1079,6 +1207,7 @@ def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Co
             prog = os.path.basename(sys.argv[0]) or "train_ppo.py"
             raise ConfigError(f"no config given: python {prog} --config configs/quickstart.yaml [key=value ...] "
                               "(--help lists every key)")
+        check_given_once(args.overrides)
         cfg = load_config(args.config, args.overrides)
         (check or check_ppo)(cfg, world_size)
     except ConfigError as e:

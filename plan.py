@@ -215,6 +215,7 @@ def role_models(cfg: C.Config) -> dict[str, ModelShape | None]:
         "reference": (cfg.reference.model_path or actor_path, "lm",
                       "reference.model_path" if cfg.reference.model_path else actor_key),
         "reward": (cfg.reward.model_path, "value", "reward.model_path"),
+        "teacher": (cfg.teacher.model_path, "lm", "teacher.model_path"),
     }
     out = {}
     for role in (r for r in C.ROLES if r in C.required_roles(cfg)):
@@ -563,7 +564,7 @@ def _knob_families(cfg: C.Config, world: int, pp: PoolPlan):
     """Alternatives per knob for pool `pp`, mildest first: ([(key, value), ...], world)."""
     where = "placement" if cfg.placement.mode == "colocate" else f"placement.pools[{pp.index}]"
     floor = row_width(cfg)  # one sequence per micro-batch
-    tokens_of = {"actor": "actor", "critic": "critic", "reference": "actor", "reward": "actor"}
+    tokens_of = {"actor": "actor", "critic": "critic", "reference": "actor", "reward": "actor", "teacher": "actor"}
     for key in dict.fromkeys(f"{tokens_of[r]}.micro_batch_tokens" for r, p in pp.roles.items() if p):
         section = key.split(".")[0]
         fsdp = getattr(cfg, section).fsdp

@@ -106,6 +106,7 @@ class PPOTrainer:
         algo = cfg.algorithm
         self.use_critic = algo.adv_estimator == "gae"
         self.use_ref = algo.kl.in_reward or algo.kl.in_loss
+        self.use_teacher = algo.distill.coef > 0
         path = cfg.actor.model_path or cfg.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path,
                                                        trust_remote_code=cfg.model.trust_remote_code)
@@ -156,6 +157,11 @@ class PPOTrainer:
         self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
                                    cfg.actor.micro_batch_tokens, trust, cfg.actor.pack_sequences
                                    ) if self.use_ref and hosts("reference") else None
+        if self.use_teacher:
+            check_teacher_vocab(self.tokenizer, cfg.teacher.model_path, trust)
+        self.teacher = Reference(cfg.teacher.model_path, cfg.teacher, self.pools["teacher"], device,
+                                 cfg.actor.micro_batch_tokens, trust, cfg.actor.pack_sequences
+                                 ) if self.use_teacher and hosts("teacher") else None
         self.reward = Reward(cfg.reward, self.pools["reward"], device, self.tokenizer, cfg.actor.micro_batch_tokens,
                              trust) if "reward" in self.pools and hosts("reward") else None
 
@@ -183,7 +189,7 @@ class PPOTrainer:
         self.gen_rng = torch.Generator(device=device).manual_seed(engine_seed)
         self.cpu_rng = torch.Generator().manual_seed(seed)
         self.comm_timer = comm.CommTimer(device)
-        for role in (self.actor, self.critic, self.reference, self.reward):
+        for role in (self.actor, self.critic, self.reference, self.teacher, self.reward):
             if role is not None and getattr(role, "model", None) is not None:
                 self.comm_timer.watch_fsdp(role.model)
         self.health = HealthWarnings(cfg.health)  # over the merged metrics, on rank 0
@@ -290,15 +296,20 @@ class PPOTrainer:
         # 2. the batch goes to the pools of reference, critic and reward (no-op for roles colocated with the actor)
         with t("transfer"), self.comm_timer.span():
             to_ref = transfer(batch, P["actor"], P["reference"], self.layout, self.device) if self.use_ref else None
+            to_teacher = transfer(batch, P["actor"], P["teacher"], self.layout, self.device) if self.use_teacher \
+                else None
             to_critic = transfer(batch, P["actor"], P["critic"], self.layout, self.device) if self.use_critic else None
             to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device) if not self.offline \
                 else None
 
         # 3. reference log-probs, values, scores, old log-probs (at the same time where the pools are split)
-        ref, values, scores = {}, {}, {}
+        ref, teacher, values, scores = {}, {}, {}, {}
         if self.reference is not None:
             with t("ref"):
                 ref = {"ref_logprobs": self.reference.log_probs(to_ref, cfg.rollout.temperature)}
+        if self.teacher is not None:
+            with t("teacher"):
+                teacher = {"teacher_logprobs": self.teacher.log_probs(to_teacher, cfg.rollout.temperature)}
         if self.critic is not None:
             with t("values"):
                 values = {"values": self.critic.values(to_critic)}
@@ -319,6 +330,8 @@ class PPOTrainer:
             with t("old_logprobs"):
                 if self.offline and self.train_set.has_logprobs:  # the ratio against the behaviour policy
                     batch["old_logprobs"] = batch["rollout_logprobs"]
+                    if self.use_ref or self.use_teacher:  # every KL is the current actor's, not the logging one's
+                        batch["policy_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
                 else:
                     batch["old_logprobs"] = self.actor.log_probs(batch, cfg.rollout.temperature)
                     if self.offline:
@@ -328,8 +341,8 @@ class PPOTrainer:
                 metrics["rollout/logprob_diff_max"] = float(self.dp_reduce(gap.max() if gap.numel() else
                                                                            gap.new_zeros(()), "max"))
         with t("transfer"), self.comm_timer.span():
-            for got, role, on in ((ref, "reference", self.use_ref), (values, "critic", self.use_critic),
-                                  (scores, "reward", not self.offline)):
+            for got, role, on in ((ref, "reference", self.use_ref), (teacher, "teacher", self.use_teacher),
+                                  (values, "critic", self.use_critic), (scores, "reward", not self.offline)):
                 if on:
                     back = transfer(got, P[role], P["actor"], self.layout, self.device, want=rows)
                     if batch is not None:
@@ -762,6 +775,19 @@ def on_interrupt(signum, frame) -> None:
     if os.environ.get("RANK", "0") == "0":  # a terminal's Ctrl-C reaches every rank of the job
         os.write(2, b"\nCtrl-C: finishing this step, then saving a checkpoint and exiting; "
                     b"Ctrl-C again to stop at once without saving\n")
+
+
+def check_teacher_vocab(tokenizer, teacher_path: str, trust_remote_code: bool) -> None:
+    """The teacher scores the actor's token ids: its tokenizer must be the actor's (ValueError naming it, else)."""
+    try:
+        theirs = AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"teacher.model_path={teacher_path!r}: no tokenizer could be read there to check it is the "
+                         f"actor's ({e})") from e
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"teacher.model_path={teacher_path!r}: its tokenizer differs from the actor's (vocabularies "
+                         f"of {len(theirs.get_vocab())} and {len(tokenizer.get_vocab())} tokens); on-policy "
+                         "distillation scores the actor's token ids, so the teacher needs the same tokenizer")
 
 
 def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:

@@ -279,3 +279,20 @@ def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, 
     # GAE with V = 0 and lam = 1 is exactly the discounted return: delta_t = r_t, A_t = r_t + gamma * A_{t+1}.
     returns, _ = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
     return masked_whiten(returns, mask, reduce=reduce), returns
+
+
+def reinforce_pp_baseline(scores: torch.Tensor, group_size: int, mask: torch.Tensor,
+                          group_ids: torch.Tensor | None = None, reduce: Reduce | None = None) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu et al. 2025, "REINFORCE++-baseline"): the group mean subtracted per
+    prompt, then whitened over every valid token of the whole batch (not per group, unlike GRPO's std).
+
+    A_it = masked_whiten(s_i - mean_g(s), mask, reduce)   broadcast over the response tokens of row i
+
+    scores: [B]; mask: [B, T]; group_ids as for grpo. Returns advantages [B, T], 0 where mask is 0 (and everywhere
+    when the batch has fewer than 2 valid tokens).
+    """
+    check_finite("scores", scores)
+    m = _check_response_mask(mask, scores.shape[0])
+    deviation, _, _ = _group_deviation(scores, _group_index(scores, group_size, group_ids))
+    centred = torch.where(m, deviation.reshape(-1, 1).to(_float_dtype(scores)), 0)
+    return masked_whiten(centred, m, reduce=reduce)

@@ -10,6 +10,8 @@ from torch.autograd.function import once_differentiable
 
 from algo import kernels
 from algo.advantages import as_bool_mask, masked_mean
+from algo.objectives import OBJECTIVES
+from algo.rollout_correction import correction_weights
 
 # exp() of a log-ratio beyond +-20 overflows float16 and turns one bad token into inf; real policies never get there.
 LOG_RATIO_CLAMP = 20.0
@@ -121,41 +123,46 @@ def policy_loss(
     global_tokens: int | float | torch.Tensor | None = None,
     global_seqs: int | float | torch.Tensor | None = None,
     max_response_len: int | None = None,
+    objective: str = "ppo",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss (Schulman et al. 2017) with optional dual clip and truncated importance sampling.
+    """A policy-gradient loss: the per-token loss of `objective` (algo/objectives.py: ppo, gspo, gspo_token, cispo),
+    with an optional dual clip, importance weights, and aggregation.
 
-    ratio = exp(clamp(logp - old, -20, 20))
-    l = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))   (clip_high > clip_low: DAPO's clip-higher)
-    dual clip (Ye et al. 2020), where A < 0:  l = min(l, -A * dual_clip)
+    ppo: l = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)), ratio = exp(clamp(logp - old, -20, 20))
+        (clip_high > clip_low: DAPO's clip-higher); the other objectives' formulas are in algo/objectives.py
+    dual clip (Ye et al. 2020; ppo only), where A < 0:  l = min(l, -A * dual_clip)
     TIS, when tis_cap is given:  l = l * w with w = min(exp(old - rollout), tis_cap), detached; it corrects for the
         rollout engine's sampling distribution differing from the trainer's (rollout_logprobs ignored without tis_cap)
+    weights [B, T], detached (algo/rollout_correction.correction_weights):  l = l * weights
     loss = aggregate(l, mask, agg, global_tokens, global_seqs, max_response_len)
 
     logprobs, old_logprobs, advantages, mask, rollout_logprobs: [B, T]. Returns (loss 0-dim, metrics) with detached
-    0-dim metrics, means over this call's valid tokens: pg_clipfrac (the clipped branch was the max),
-    pg_clipfrac_lower (dual clip active), ppo_kl (mean of old - logp), tis_weight_mean (only with TIS).
+    0-dim metrics, means over this call's valid tokens: pg_clipfrac (the clipped branch was taken), pg_clipfrac_lower
+    (dual clip active), ppo_kl (mean of old - logp), tis_weight_mean (only with TIS).
     """
     _check_same_shape(
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, rollout_logprobs=rollout_logprobs
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, rollout_logprobs=rollout_logprobs,
+        weights=weights,
     )
-    if not 0.0 <= clip_low < 1.0:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown policy objective {objective!r}; valid: {', '.join(OBJECTIVES)}")
+    # CISPO clips an importance weight, not a trust region: clip_low = 1 there means no lower bound
+    if not 0.0 <= clip_low < 1.0 and not (objective == "cispo" and clip_low == 1.0):
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
     if clip_high < 0.0:
         raise ValueError(f"clip_high must be >= 0, got {clip_high}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if dual_clip is not None and objective != "ppo":
+        raise ValueError(f"dual_clip bounds the ppo objective's loss; objective {objective!r} has none")
     if tis_cap is not None and rollout_logprobs is None:
         raise ValueError("tis_cap is set but rollout_logprobs is None; truncated IS needs the rollout log-probs")
     if tis_cap is not None and not tis_cap > 0.0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
     m = as_bool_mask(mask, logprobs.shape)
 
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    token_loss = torch.maximum(loss_unclipped, loss_clipped)
-    metrics = {"pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), m).detach()}
+    token_loss, metrics = OBJECTIVES[objective](logprobs, old_logprobs, advantages, m, clip_low, clip_high)
 
     if dual_clip is not None:
         bound = -advantages * dual_clip
@@ -166,11 +173,13 @@ def policy_loss(
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=logprobs.device)
 
     if tis_cap is not None:
-        weight = torch.exp(old_logprobs - rollout_logprobs).clamp(max=tis_cap).detach()
+        weight, _ = correction_weights(old_logprobs, rollout_logprobs, m, "token", tis_cap)
         token_loss = token_loss * weight
         metrics["tis_weight_mean"] = masked_mean(weight, m)
+    if weights is not None:
+        token_loss = token_loss * weights.detach()
 
-    metrics["ppo_kl"] = masked_mean(-log_ratio, m).detach()
+    metrics["ppo_kl"] = masked_mean(old_logprobs - logprobs, m).detach()
     loss = aggregate(token_loss, m, agg, global_tokens, global_seqs, max_response_len)
     return loss, metrics
 

@@ -5,13 +5,17 @@ statistics that must cover the whole batch go through `reduce` (see algo/advanta
 The order (verl's, where verl has the step):
  1. shaped scores: the reward's score plus DAPO's overlong penalty. Every filter, the advantages, PF-PPO and the
     replay buffer's quality threshold use these same scores.
- 2. the KL to the reference over the whole rollout batch (old vs reference log-probs): the estimator in force
-    (kl.reward_kind with kl.in_reward, kl.loss_kind with kl.in_loss); its per-token mean updates the KL controller.
+ 2. the KL to the reference over the whole rollout batch (the current actor's log-probs, `policy_logprobs`, against
+    the reference's: never the logging policy's of offline samples): the estimator in force (kl.reward_kind with
+    kl.in_reward, kl.loss_kind with kl.in_loss); its per-token mean updates the KL controller. With distillation,
+    the reverse KL to the teacher per token, k1 = log p_actor - log p_teacher, on the same log-probs.
  3. filters drop samples: the score threshold (filters.min_reward, raised by the guard rail), the lowest
     filters.filter_ratio of this rank's samples, DAPO dynamic sampling (groups whose scores are all equal).
  4. advantages on the survivors only, so a dropped sample sets no baseline: GAE (whitened over the whole batch),
-    REINFORCE++ (whitened over the whole batch), GRPO / RLOO over each group's surviving samples, with
-    score - beta * sum_t kl_t as the sequence reward when the KL is in the reward.
+    REINFORCE++ (whitened over the whole batch), GRPO / RLOO / REINFORCE++-baseline over each group's surviving
+    samples (the last whitened over the whole batch after the group mean is taken off), with
+    score - beta * sum_t kl_t as the sequence reward when the KL is in the reward, and
+    task_weight * score - distill.coef * sum_t k1_t with distillation (GAE / REINFORCE++: the same per token).
  5. PF-PPO resampling of the survivors (with replacement, weights from the shaped scores).
  6. replay: a share of the rows is replaced by stored samples (which keep the log-probs, values and advantages of
     the step that produced them: their importance ratio is against that step's behaviour policy), then this step's
@@ -43,16 +47,22 @@ def _global_mean(x: torch.Tensor, reduce: A.Reduce | None) -> float:
     return float(totals[0] / totals[1].clamp(min=1))
 
 
+def policy_logprobs(batch: Batch) -> torch.Tensor:
+    """[B, T] the current actor's log-probs of the responses before the update: `policy_logprobs` where they differ
+    from PPO's old ones (offline samples keep the logging policy's as old), else old_logprobs."""
+    return batch["policy_logprobs"] if "policy_logprobs" in batch else batch["old_logprobs"]
+
+
 def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_len: int, min_reward: float | None,
                   replay: ReplayBuffer | None = None, generator: torch.Generator | None = None,
                   reduce: A.Reduce | None = None) -> tuple[Batch, dict[str, float]]:
     """Filters, KL, advantages, resampling and replay for this rank's part of the rollout batch, in the order of the
-    module docstring. batch: scores [B], prompt_len and response_len [B], response_mask, old_logprobs and
-    ref_logprobs [B, T] (with a KL term), values [B, T] (GAE); the samples of one prompt are `group_size`
-    consecutive rows. algo: config.AlgorithmConfig; kl_ctl: its controller (updated here). Returns the training
-    batch (with advantages, and returns for GAE / REINFORCE++; may be empty) and metrics that are the same on every
-    rank."""
-    f, kl_cfg = algo.filters, algo.kl
+    module docstring. batch: scores [B], prompt_len and response_len [B], response_mask, old_logprobs (or
+    policy_logprobs, see policy_logprobs) and ref_logprobs [B, T] (with a KL term), teacher_logprobs [B, T] (with
+    distillation), values [B, T] (GAE); the samples of one prompt are `group_size` consecutive rows. algo:
+    config.AlgorithmConfig; kl_ctl: its controller (updated here). Returns the training batch (with advantages, and
+    returns for GAE / REINFORCE++; may be empty) and metrics that are the same on every rank."""
+    f, kl_cfg, distill = algo.filters, algo.kl, algo.distill
     use_ref = kl_cfg.in_reward or kl_cfg.in_loss
     mask = batch["response_mask"]
     m: dict[str, float] = {}
@@ -74,18 +84,23 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
         m.update(_prefixed("reward/shaped_score", A.global_stats(scores, reduce)))
 
     # 2. the KL to the reference, measured on the whole rollout batch
-    token_kl = None
+    token_kl = teacher_kl = None
     if use_ref:
-        token_kl = torch.where(mask.bool(), kl(batch["old_logprobs"], batch["ref_logprobs"], kl_estimator(kl_cfg)), 0)
+        token_kl = torch.where(mask.bool(), kl(policy_logprobs(batch), batch["ref_logprobs"], kl_estimator(kl_cfg)), 0)
         totals = A.reduced(torch.stack([token_kl.double().sum(), mask.double().sum(),
                                         token_kl.new_tensor(float(batch_size(batch)), dtype=torch.float64)]), reduce)
         kl_mean = float(totals[0] / totals[1].clamp(min=1))
         m["actor/reward_kl"] = kl_mean
         # k3 is never negative, unlike k1 on a finite sample: what the KL guard rail compares with its limit
-        k3 = torch.where(mask.bool(), kl(batch["old_logprobs"], batch["ref_logprobs"], "k3"), 0)
+        k3 = torch.where(mask.bool(), kl(policy_logprobs(batch), batch["ref_logprobs"], "k3"), 0)
         m["actor/ref_kl"] = float(A.reduced(k3.double().sum(), reduce) / totals[1].clamp(min=1))
         m["actor/kl_coef"] = kl_ctl.value  # the coefficient this step trains with
         kl_ctl.update(kl_mean, int(totals[2]))
+    if distill.coef > 0:  # the reverse KL to the teacher: k1 per token is the reward's unbiased estimate
+        teacher_kl = torch.where(mask.bool(), kl(policy_logprobs(batch), batch["teacher_logprobs"], "k1"), 0)
+        m["distill/reverse_kl"] = _token_mean(teacher_kl, mask, reduce)
+        m["distill/reverse_kl_k3"] = _token_mean(
+            torch.where(mask.bool(), kl(policy_logprobs(batch), batch["teacher_logprobs"], "k3"), 0), mask, reduce)
 
     if group_size > 1 and batch_size(batch):
         groups = scores.view(-1, group_size)
@@ -103,18 +118,22 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
     rows = keep.nonzero().squeeze(1)
     batch, scores, group_ids = select(batch, rows), scores[rows], group_ids[rows]
     token_kl = token_kl[rows] if token_kl is not None else None
+    teacher_kl = teacher_kl[rows] if teacher_kl is not None else None
     mask = batch["response_mask"]
 
     # 4. advantages on the survivors
     beta = m.get("actor/kl_coef", 0.0)
     estimator = algo.adv_estimator
+    task = scores * distill.task_weight if teacher_kl is not None else scores
     if estimator in ("gae", "reinforce_pp"):
         if kl_cfg.in_reward:
-            logp, ref = batch["old_logprobs"], batch["ref_logprobs"]
+            logp, ref = policy_logprobs(batch), batch["ref_logprobs"]
         else:  # the score alone: no KL term reads log-probs (a batch may have no old ones, config.old_logprobs_pass)
             logp = ref = torch.zeros_like(mask, dtype=torch.float32)
-        token_rewards, _ = kl_in_reward(scores, logp, ref, mask, beta if kl_cfg.in_reward else 0.0,
+        token_rewards, _ = kl_in_reward(task, logp, ref, mask, beta if kl_cfg.in_reward else 0.0,
                                         kl_cfg.reward_kind)
+        if teacher_kl is not None:
+            token_rewards = token_rewards - distill.coef * teacher_kl
     if estimator == "gae":
         adv, returns = A.gae(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
         if algo.whiten_advantages:
@@ -126,9 +145,13 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
     elif estimator == "reinforce_pp":
         adv, batch["returns"] = A.reinforce_pp(token_rewards, mask, algo.gamma, reduce=reduce)
     else:
-        sequence = kl_penalised_scores(scores, token_kl, mask, beta) if kl_cfg.in_reward else scores
+        sequence = kl_penalised_scores(task, token_kl, mask, beta) if kl_cfg.in_reward else task
+        if teacher_kl is not None:
+            sequence = kl_penalised_scores(sequence, teacher_kl, mask, distill.coef)
         if estimator == "grpo":
             adv = A.grpo(sequence, group_size, mask, norm_by_std=algo.norm_by_std, group_ids=group_ids)
+        elif estimator == "reinforce_pp_baseline":
+            adv = A.reinforce_pp_baseline(sequence, group_size, mask, group_ids=group_ids, reduce=reduce)
         else:
             adv = A.rloo(sequence, group_size, mask, group_ids=group_ids)
     batch["advantages"] = adv
@@ -154,6 +177,12 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
             replay.add(fresh, fresh_scores)
         m.update(replay.metrics())
     return batch, m
+
+
+def _token_mean(x: torch.Tensor, mask: torch.Tensor, reduce: A.Reduce | None) -> float:
+    """Mean of x [B, T] over the valid tokens of every rank."""
+    totals = A.reduced(torch.stack([torch.where(mask.bool(), x, 0).double().sum(), mask.double().sum()]), reduce)
+    return float(totals[0] / totals[1].clamp(min=1))
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, reduce: A.Reduce | None = None) -> float:

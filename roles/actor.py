@@ -7,6 +7,7 @@ import torch
 
 from algo.advantages import as_bool_mask
 from algo.losses import aggregate, kl, logprobs_and_entropy, logprobs_from_logits, policy_loss
+from algo.rollout_correction import correction_weights
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
@@ -99,6 +100,11 @@ class Actor:
             g["lr"] = lr
         self.model.train()
         metrics = UpdateMetrics()
+        rc = cfg.rollout_correction
+        # actor.tis_cap is the short form of token weights truncated at it
+        weight, cap = ("token", cfg.tis_cap) if cfg.tis_cap is not None else (rc.weight, rc.weight_cap)
+        corrections = (weight, cap, rc.mask, rc.mask_low, rc.mask_high)
+        correcting = weight != "off" or rc.mask != "off"
 
         def micro_loss(mb: Batch, tokens: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
             # one pass over the [b, R, V] logits gives both; the entropy's gradient only with a bonus
@@ -113,11 +119,18 @@ class Actor:
             else:
                 old = mb["old_logprobs"]
             norms = dict(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
-            pg, parts = policy_loss(
-                logp, old, mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-                cfg.loss_agg, rollout_logprobs=mb.get("rollout_logprobs") if cfg.tis_cap else None,
-                tis_cap=cfg.tis_cap, **norms,
-            )
+            weights = None
+            if "rollout_logprobs" in mb:  # the engine/trainer mismatch, measured on every step; corrected on request
+                weights, mismatch = correction_weights(old, mb["rollout_logprobs"], m, *corrections)
+                n_valid = as_bool_mask(m, m.shape).sum()
+                for k, v in mismatch.items():
+                    if k.endswith("_max"):
+                        metrics.maximum(f"rollout_corr/{k}", v)
+                    else:
+                        metrics.token_mean(f"rollout_corr/{k}", v, n_valid)
+                weights = weights if correcting else None
+            pg, parts = policy_loss(logp, old, mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                                    cfg.loss_agg, objective=cfg.policy_loss, weights=weights, **norms)
             ent = aggregate(token_entropy if cfg.entropy_coef > 0 else token_entropy.detach(), m, cfg.loss_agg,
                             **norms)
             loss = pg - cfg.entropy_coef * ent

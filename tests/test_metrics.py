@@ -9,8 +9,9 @@ from conftest import explain, torchrun
 def test_same_batch_on_one_and_two_ranks_logs_the_same_values(tmp_path):
     proc = torchrun(["tests/dist/same_metrics.py", str(tmp_path)], nproc=2, timeout=300)
     assert proc.returncode == 0, explain(proc)
-    for estimator in ("gae", "reinforce_pp", "grpo", "rloo"):
-        assert f"PASS same metrics {estimator}" in proc.stdout, explain(proc)
+    for case in ("gae", "reinforce_pp", "grpo", "rloo", "reinforce_pp_baseline", "gspo", "gspo_token", "cispo",
+                 "distill"):
+        assert f"PASS same metrics {case}" in proc.stdout, explain(proc)
     assert "PASS packed micro-batches" in proc.stdout, explain(proc)
     assert "PASS on-policy old log-probs" in proc.stdout, explain(proc)
     for check in ("no old log-probs, two steps refused", "one sample per rank", "empty batch"):

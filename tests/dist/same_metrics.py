@@ -43,6 +43,7 @@ def make_batch(vocab: int) -> dict:
             "response_mask": mask, "rollout_logprobs": old.clone(), "old_logprobs": old,
             "ref_logprobs": (old - torch.rand(B, RESP, generator=gen)) * mask,
             "values": torch.randn(B, RESP, generator=gen) * mask,
+            "teacher_logprobs": (old - torch.rand(B, RESP, generator=gen) + 0.3) * mask,
             "scores": torch.tensor([1.0, 0.0, 0.5, 0.25, 0.9, 0.1, 0.1, 0.7]),
             "prompt_index": torch.arange(B) // N}
 
@@ -83,17 +84,36 @@ def main() -> None:
     full = make_batch(14)
     halves = [select(full, slice(0, 4)), select(full, slice(4, 8))]  # whole groups on each rank
 
-    for estimator in ("gae", "reinforce_pp", "grpo", "rloo"):
+    # the objectives of algo/objectives.py and the corrections of algo/rollout_correction.py, on engine log-probs
+    # that differ from the trainer's old ones (by up to 0.6 nats a token: every mask and weight bites)
+    noise = 0.6 * torch.rand(B, RESP, generator=torch.Generator().manual_seed(3)) - 0.3
+    mismatched = dict(full, rollout_logprobs=(full["old_logprobs"] + noise) * full["response_mask"])
+    cases = [(e, [f"algorithm.adv_estimator={e}"], full) for e in ("gae", "reinforce_pp", "grpo", "rloo",
+                                                                      "reinforce_pp_baseline")]
+    cases += [
+        ("gspo", ["algorithm.adv_estimator=grpo", "actor.policy_loss=gspo", "actor.loss_agg=seq-mean-token-mean",
+                  "actor.rollout_correction.weight=sequence", "actor.rollout_correction.mask=geometric",
+                  "actor.rollout_correction.mask_high=1.1"], mismatched),
+        ("gspo_token", ["algorithm.adv_estimator=rloo", "actor.policy_loss=gspo_token",
+                        "actor.rollout_correction.mask=sequence"], mismatched),
+        ("cispo", ["algorithm.adv_estimator=grpo", "actor.policy_loss=cispo", "actor.clip_low=1",
+                   "actor.clip_high=0.1", "actor.rollout_correction.weight=token",
+                   "actor.rollout_correction.mask=token", "actor.rollout_correction.mask_low=0.8"], mismatched),
+        ("distill", ["algorithm.adv_estimator=rloo", "algorithm.distill.coef=0.5",
+                     "algorithm.distill.task_weight=0.5"], full),
+    ]
+    for estimator, overrides, rows in cases:
         cfg = C.load_config(None, [
-            f"algorithm.adv_estimator={estimator}", "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.2",
+            *overrides, "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.2",
             "algorithm.filters.dynamic_sampling=true", "actor.fsdp.param_dtype=float32",
             "critic.fsdp.param_dtype=float32", "actor.optim.lr=1e-2", "critic.optim.lr=1e-2",
             "actor.entropy_coef=0.01", "actor.micro_batch_tokens=16", "critic.micro_batch_tokens=16"])
+        mine = [select(rows, slice(0, 4)), select(rows, slice(4, 8))][rank]
         one, one_adv = {}, None
         if rank == 0:
-            one, prepared = run(cfg, solo.pools[0], model_path, dict(full), estimator == "gae")
+            one, prepared = run(cfg, solo.pools[0], model_path, dict(rows), estimator == "gae")
             one_adv = prepared["advantages"]
-        two, prepared = run(cfg, pair.pools[0], model_path, dict(halves[rank]), estimator == "gae")
+        two, prepared = run(cfg, pair.pools[0], model_path, dict(mine), estimator == "gae")
         parts: list = [None, None]
         dist.all_gather_object(parts, prepared["advantages"])
         logged_one, logged_two = gather_metrics(one), gather_metrics(two)
@@ -109,6 +129,12 @@ def main() -> None:
                 assert key in keys, f"{estimator}: {key} not logged: {sorted(keys)}"
             if estimator == "gae":
                 assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var"} <= set(keys), keys
+            assert {"rollout_corr/mismatch_kl", "rollout_corr/mismatch_kl_max"} <= set(keys), keys
+            if rows is mismatched:
+                corr = {k: logged_one[k] for k in keys if k.startswith("rollout_corr/")}
+                assert corr["rollout_corr/mismatch_kl"] > 1e-3 and 0 < corr["rollout_corr/masked_fraction"] < 1, corr
+            if estimator == "distill":
+                assert logged_one["distill/reverse_kl"] != 0 and logged_one["distill/reverse_kl_k3"] > 0, logged_one
             for key in keys:
                 close(logged_one[key], logged_two[key], f"{estimator} {key}")
             assert logged_one["data/dropped_groups"] == 0 and logged_one["reward/score/max"] == 1.0
@@ -133,8 +159,8 @@ def main() -> None:
     logged_padded, logged_packed, logged_two = gather_metrics(padded), gather_metrics(packed), gather_metrics(two)
     if rank == 0:
         keys = [k for k in logged_padded if k not in ("actor/lr", "critic/lr")]
-        assert {"actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"} <= set(keys), \
-            keys
+        wanted = {"actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"}
+        assert wanted <= set(keys), keys
         for key in keys:
             close(logged_padded[key], logged_packed[key], f"packed vs padded {key}")
             close(logged_packed[key], logged_two[key], f"packed {key}")
