@@ -154,6 +154,8 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     began = time.time()
     launcher = [sys.executable] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    mine = {e.split("=", 1)[0].strip() for e in extra}  # train_ppo.py refuses a key given twice: extra wins here
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in mine]
     cmd = [*launcher, str(ROOT / "train_ppo.py"), "--config", str(config), *overrides, *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -18,6 +18,20 @@ logger = logging.getLogger("meshrl")
 VALID_FORMATS = ".jsonl file, .parquet file, or a folder written by datasets' save_to_disk"
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object_pairs_hook: a dict, unless a key comes twice (json.loads would keep the last one silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _read_rows(path: str | Path) -> list[tuple[str, dict]]:
     """Every record of `path` as (where, row), `where` naming the file and line or row for error messages."""
     path = Path(path)
@@ -43,15 +57,23 @@ def _read_rows(path: str | Path) -> list[tuple[str, dict]]:
         return [(f"{path} row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
     if path.suffix == ".jsonl":
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
+        with open(path, "rb") as f:
+            for line_number, data in enumerate(f, start=1):
                 where = f"{path}:{line_number}"
                 try:
-                    row = json.loads(line)
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{where}: byte 0x{data[e.start]:02x} at column {e.start + 1} is not UTF-8 text "
+                                     "(save the file as UTF-8)") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line, object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: malformed JSON line ({e.msg} at column {e.colno})") from e
+                except _DuplicateKey as e:
+                    raise ValueError(f"{where}: the key {e.args[0]!r} appears twice in one object; JSON readers "
+                                     "disagree on which value wins, so remove one") from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
                 rows.append((where, row))
@@ -217,7 +239,11 @@ def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase, chat
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if system_prompt is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        prompt_texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        try:
+            prompt_texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        except Exception as e:  # the template's own checks (raise_exception): an unknown role, a bad order
+            raise ValueError(f"{where}: the tokenizer's chat template refused this prompt (roles "
+                             f"{[m.get('role') for m in messages]}): {e}") from e
         templated.append(True)
 
     # Rendering then encoding without special tokens is what apply_chat_template(tokenize=True) does, since the

@@ -134,7 +134,9 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
                 raise ValueError(f"{where}: logprobs must hold one finite log-probability (<= 0) per response token "
                                  f"({len(response)}), got {logprobs!r:.100}")
             logged_at = row.get("temperature")
-            if logged_at is not None and abs(float(logged_at) - temperature) > 1e-6:
+            if logged_at is not None:
+                logged_at = _finite_number(logged_at, "temperature", where)
+            if logged_at is not None and abs(logged_at - temperature) > 1e-6:
                 raise ValueError(f"{where}: its logprobs were taken at temperature {logged_at}, this run samples at "
                                  f"rollout.temperature={temperature}; set it to {logged_at}, or drop the logprobs "
                                  "column to train against the current policy")

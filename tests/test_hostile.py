@@ -75,3 +75,57 @@ def test_a_refused_start_leaves_the_run_config_as_it_was(assets, tmp_path):  # n
             assert "Traceback" not in proc.stderr, explain(proc)
             assert (run / "config.yaml").read_bytes() == written, f"{message}: config.yaml was rewritten"
             assert (snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()) == before
+
+
+def test_a_key_given_twice_is_refused_in_data_and_on_the_command_line(assets, tmp_path):  # noqa: F811
+    from tasks.data import load_preference_records, load_prompt_records
+
+    data = tmp_path / "train.jsonl"
+    lines = (assets / "train.jsonl").read_text().splitlines()
+    lines[2] = '{"prompt": "1+1=", "ground_truth": "2", "prompt": "9+9="}'
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl:3: the key 'prompt' appears twice"):
+        load_prompt_records(data)
+    nested = tmp_path / "nested.jsonl"
+    nested.write_text('{"prompt": "1=", "chosen": "1", "rejected": "2", "extra": {"a": 1, "a": 2}}\n')
+    with pytest.raises(ValueError, match=r"nested\.jsonl:1: the key 'a' appears twice"):
+        load_preference_records(nested)
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
+                       data={"train_path": str(data)})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 2 and f"{data}:3: the key 'prompt' appears twice" in proc.stderr, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    # the command line: the same key twice, or a section and a key in it
+    for twice in (["actor.optim.lr=1e-3", "actor.optim.lr=1e-4"], ["actor.optim={lr: 1}", "actor.optim.lr=2"]):
+        with pytest.raises(C.ConfigError, match=r"both set actor\.optim"):
+            C.check_given_once(twice)
+    C.check_given_once(["actor.optim.lr=1e-3", "critic.optim.lr=1e-4", "actor.optim.lr_warmup=1"])
+    proc = run_python(["train_ppo.py", "--config", cfg, "run.seed=1", "run.seed=2"], timeout=120)
+    assert proc.returncode == 2 and "'run.seed=1' and 'run.seed=2' both set run.seed" in proc.stderr, explain(proc)
+
+
+def test_errors_name_the_file_and_row(tmp_path):
+    from tasks.char_tokenizer import build_char_tokenizer
+    from tasks.data import PromptDataset, load_prompt_records
+    from tasks.offline import load_offline_groups
+
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "1+1="}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: byte 0xe9 at column 16 is not UTF-8"):
+        load_prompt_records(latin1)
+    tokenizer = build_char_tokenizer("0123456789+=")
+    hot = tmp_path / "hot.jsonl"
+    hot.write_text('{"prompt": "1=", "response": "1", "score": 1, "logprobs": [-0.1, -0.1], "temperature": 1}\n'
+                   '{"prompt": "1=", "response": "2", "score": 0, "logprobs": [-0.1, -0.1], "temperature": "hot"}\n')
+    with pytest.raises(ValueError, match=r"hot\.jsonl:2: temperature must be a finite number, got str 'hot'"):
+        load_offline_groups([str(hot)], tokenizer, group_size=2, vocab_size=len(tokenizer), max_prompt_len=8,
+                            max_response_len=4)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                               "{{ raise_exception('Conversation roles must be system/user/assistant') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"prompt": [{"role": "user", "content": "1+1="}]}\n'
+                    '{"prompt": [{"role": "hacker", "content": "1+1="}]}\n')
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2: the tokenizer's chat template refused this prompt \(roles "
+                                         r"\['hacker'\]\): Conversation roles must be"):
+        PromptDataset(load_prompt_records(chat), tokenizer, 16)
