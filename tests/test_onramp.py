@@ -85,3 +85,19 @@ def test_the_reward_workers_import_the_users_config_and_tasks_not_meshrls(assets
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, PYTHONPATH=str(user))
     assert proc.returncode == 0, explain(proc)
     assert read_metrics(tmp_path / "runs")[0]["eval/score/mean"] == 0.25
+
+
+def test_lengths_beyond_the_models_positions_and_a_malformed_override_exit_2_in_one_line(assets, tmp_path):  # noqa: F811
+    # the test model has 64 positions; its prompts are short, so the run would go until a long prompt came
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", data={"max_prompt_len": 60},
+                       rollout={"max_new_tokens": 8})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.strip().splitlines() == [
+        "config error: data.max_prompt_len=60 + rollout.max_new_tokens=8 = 68 tokens: more than the model's "
+        f"max_position_embeddings=64 (model.path={str(assets / 'model')!r}); lower them to add up to at most 64"]
+    assert not (tmp_path / "runs").exists()
+    proc = run_python(["train_ppo.py", "--config", cfg, "data.max_prompt_len=56", "reward.functions=[{spec:"])
+    assert proc.returncode == 2, explain(proc)
+    assert len(proc.stderr.strip().splitlines()) == 1, explain(proc)
+    assert proc.stderr.startswith("config error: override 'reward.functions=[{spec:': the value is not valid YAML")
