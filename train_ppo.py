@@ -62,7 +62,7 @@ from rollout.api import stop_token_ids
 from rollout.native import RolloutOutput, SamplingParams
 from rollout.world import Replica, WorldRollout, units_in_blocks, units_of_split
 from tasks.data import PromptDataset, PromptSampler, load_eval_records, load_prompt_records, padding_id
-from tasks.offline import OfflineRollouts, load_offline_groups, rollout_files, write_rollouts
+from tasks.offline import OfflineRollouts, file_fingerprints, load_offline_groups, rollout_files, write_rollouts
 
 log = logging.getLogger("meshrl")
 
@@ -113,6 +113,7 @@ class PPOTrainer:
         self.pad = pad = padding_id(self.tokenizer, cfg.model.tokenizer_path or path)
         if cfg.data.rollouts_path:  # offline: logged responses and scores, no generation in the train steps
             files = rollout_files(C.path_list(cfg.data.rollouts_path))
+            self.data_files = file_fingerprints(files)  # in each checkpoint: a resume refuses edited files
             vocab = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).vocab_size
             self.train_set = load_offline_groups(
                 files, self.tokenizer, group_size=cfg.rollout.n, vocab_size=vocab,
@@ -126,6 +127,7 @@ class PPOTrainer:
                          "the logged behaviour log-probs" if self.train_set.has_logprobs else
                          "the current policy's log-probs before each update (the files have no logprobs)")
         else:
+            self.data_files = {}
             self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
                                                                cfg.data.ground_truth_key), self.tokenizer,
                                            cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
@@ -640,6 +642,7 @@ class PPOTrainer:
             "step": step, "world_size": self.layout.world_size, "eval_before": before,
             "roles": checkpoint.gather_role_state(local), "sampler": self.sampler.state_dict(),
             "config": yaml.safe_dump(C.to_dict(self.cfg)),  # what scripts/export_hf.py needs to rebuild the model
+            "data_files": self.data_files,
         }
         rank_state = {"rng": checkpoint.rng_state({"gen": self.gen_rng, "cpu": self.cpu_rng}),
                       "comm": {name: role.replicas.state_dict() for name, role in self._trainers().items()}}
@@ -692,6 +695,7 @@ class PPOTrainer:
             raise C.ConfigError(f"resuming {path}: the training data is not what the checkpoint saw ({e}); {key} "
                                 f"now holds {len(self.train_set)} prompts. Restore the data, or start a new run "
                                 "(another run.name)") from e
+        self._check_data_files(path, state.get("data_files"))  # the same number of prompts, other contents
         roles = state["roles"]
         # checkpoints written before 2026-12-01 kept the controllers at the top level (from rank 0)
         self.kl_ctl.load_state_dict(roles["actor"].get("kl_ctl", state.get("kl_ctl")))
@@ -731,6 +735,31 @@ class PPOTrainer:
             log.info("resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - began)
             self.logger.truncate_after(state["step"])
         return state["step"], state["eval_before"]
+
+    def _check_data_files(self, path: str, saved: dict | None) -> None:
+        """Offline: the rollout files are the ones the checkpoint trained on (size and content hash), unless
+        checkpoint.allow_config_change lists data.rollouts_path. Checkpoints without fingerprints pass."""
+        if not self.offline or saved is None:
+            return
+        now = self.data_files
+        changed = []
+        for f in sorted(set(saved) | set(now)):
+            if f not in now:
+                changed.append(f"{f} was read then and is not now")
+            elif f not in saved:
+                changed.append(f"{f} is new")
+            elif list(saved[f]) != list(now[f]):
+                changed.append(f"{f} changed ({saved[f][0]} -> {now[f][0]} bytes, sha256 {saved[f][1][:12]} -> "
+                               f"{now[f][1][:12]})")
+        if not changed:
+            return
+        if "data.rollouts_path" not in self.cfg.checkpoint.allow_config_change:  # the same on every rank
+            raise C.ConfigError(
+                f"resuming {path}: the rollout files are not the ones it trained on: {'; '.join(changed)}. Nothing "
+                "was trained or written. Restore them, start a new run (another run.name), or accept them with "
+                "checkpoint.allow_config_change=[data.rollouts_path]")
+        if self.rank == 0:
+            log.warning("resuming %s with changed rollout files (allowed): %s", path, "; ".join(changed))
 
     def _eval_and_log(self, step: int, merged: dict[str, float] | None = None) -> dict[str, float]:
         local, samples = self.evaluate()

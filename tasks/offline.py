@@ -9,6 +9,7 @@ with the same prompt) and any other column. meshrl's own files (runs/NAME/rollou
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -171,6 +172,24 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
         if not has_logprobs:
             g["logprobs"] = None
     return OfflineRollouts(kept, has_logprobs, len(groups) - len(kept))
+
+
+def file_fingerprints(paths: list[str]) -> dict[str, list]:
+    """{path: [size in bytes, sha256 hex digest]} of each rollout file (a datasets folder: its files together, with
+    their names), for a checkpoint to tell whether a resume reads what it trained on."""
+    out = {}
+    for p in paths:
+        files = sorted(f for f in Path(p).rglob("*") if f.is_file()) if os.path.isdir(p) else [Path(p)]
+        digest, size = hashlib.sha256(), 0
+        for f in files:
+            if os.path.isdir(p):
+                digest.update(str(f.relative_to(p)).encode() + b"\0")
+            with open(f, "rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+        out[str(p)] = [size, digest.hexdigest()]
+    return out
 
 
 def rollout_files(paths: list[str]) -> list[str]:

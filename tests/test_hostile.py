@@ -129,3 +129,33 @@ def test_errors_name_the_file_and_row(tmp_path):
     with pytest.raises(ValueError, match=r"chat\.jsonl:2: the tokenizer's chat template refused this prompt \(roles "
                                          r"\['hacker'\]\): Conversation roles must be"):
         PromptDataset(load_prompt_records(chat), tokenizer, 16)
+
+
+def test_a_rollout_file_changed_before_a_resume_is_refused(assets, tmp_path):  # noqa: F811
+    import json
+
+    from tests.user_rewards import ones_fraction
+
+    rows = [{"prompt": f"{a}+{b}=", "response": r, "score": ones_fraction(r, None, "")}
+            for a in range(4) for b in range(2) for r in ("1", "11", "2", "12")]
+    data = tmp_path / "logged.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    offline = {"algorithm": {"adv_estimator": "grpo", "kl": {"in_reward": False}}, "reward": {"functions": []},
+               "data": {"train_path": "", "rollouts_path": str(data), "eval_path": None}}
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1}, **offline)
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    run = tmp_path / "runs" / "t"
+    before = snapshot(run)
+    # the same prompts and count, other scores: the sampler cannot tell
+    data.write_text("".join(json.dumps({**r, "score": -r["score"]}) + "\n" for r in rows))
+    more = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 2}, **offline)
+    proc = run_python(["train_ppo.py", "--config", more], timeout=300)
+    assert proc.returncode == 2, explain(proc)
+    assert f"the rollout files are not the ones it trained on: {data} changed" in proc.stderr, explain(proc)
+    assert "Nothing was trained or written" in proc.stderr and "Traceback" not in proc.stderr, explain(proc)
+    assert {k: v for k, v in snapshot(run).items() if k.name != "run.lock"} == \
+        {k: v for k, v in before.items() if k.name != "run.lock"}, "a refused resume writes nothing"
+    proc = run_python(["train_ppo.py", "--config", more, "checkpoint.allow_config_change=[data.rollouts_path]"],
+                      timeout=300)
+    assert proc.returncode == 0 and "with changed rollout files (allowed)" in proc.stderr, explain(proc)
