@@ -593,6 +593,82 @@ RENAMED = {
 }
 
 
+# TRL's (GRPOConfig, flat names) and verl's (dotted) names for meshrl's keys, suggested when one is given; the same
+# table is in the README ("TRL and verl names")
+FOREIGN_NAMES = {
+    "num_generations": "rollout.n",
+    "max_completion_length": "rollout.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_len",
+    "beta": "algorithm.kl.coef (with algorithm.kl.in_loss=true algorithm.kl.in_reward=false, as TRL)",
+    "learning_rate": "actor.optim.lr",
+    "per_device_train_batch_size": "data.batch_size (prompts per step over all ranks, not completions per device)",
+    "num_iterations": "actor.ppo_epochs",
+    "epsilon": "actor.clip_low",
+    "epsilon_high": "actor.clip_high",
+    "temperature": "rollout.temperature",
+    "max_steps": "run.total_steps",
+    "num_train_epochs": "run.epochs",
+    "logging_steps": "run.log_every",
+    "eval_steps": "run.eval_every",
+    "save_steps": "checkpoint.save_every",
+    "output_dir": "run.output_dir",
+    "seed": "run.seed",
+    "warmup_steps": "actor.optim.warmup_steps",
+    "max_grad_norm": "actor.optim.grad_clip",
+    "lr_scheduler_type": "actor.optim.schedule",
+    "scale_rewards": "algorithm.norm_by_std",
+    "gradient_checkpointing": "actor.fsdp.activation_checkpointing",
+    "reward_funcs": "reward.functions ([{spec: module.path:function, weight: 1.0}])",
+    "reward_weights": "reward.functions[i].weight",
+    "model_name_or_path": "model.path",
+    "use_vllm": "rollout.engine=vllm",
+    "data.train_files": "data.train_path",
+    "data.val_files": "data.eval_path",
+    "data.train_batch_size": "data.batch_size",
+    "data.max_prompt_length": "data.max_prompt_len",
+    "data.max_response_length": "rollout.max_new_tokens",
+    "actor_rollout_ref.model.path": "model.path",
+    "actor_rollout_ref.rollout.n": "rollout.n",
+    "actor_rollout_ref.rollout.temperature": "rollout.temperature",
+    "actor_rollout_ref.actor.optim.lr": "actor.optim.lr",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "actor.mini_batch_size (samples, not prompts)",
+    "actor_rollout_ref.actor.ppo_epochs": "actor.ppo_epochs",
+    "actor_rollout_ref.actor.use_kl_loss": "algorithm.kl.in_loss",
+    "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl.coef",
+    "actor_rollout_ref.actor.kl_loss_type": "algorithm.kl.loss_kind",
+    "actor_rollout_ref.actor.entropy_coeff": "actor.entropy_coef",
+    "actor_rollout_ref.actor.clip_ratio": "actor.clip_low and actor.clip_high",
+    "actor_rollout_ref.actor.clip_ratio_low": "actor.clip_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "actor.clip_high",
+    "actor_rollout_ref.actor.loss_agg_mode": "actor.loss_agg",
+    "algorithm.use_kl_in_reward": "algorithm.kl.in_reward",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl.coef",
+    "trainer.total_training_steps": "run.total_steps",
+    "trainer.total_epochs": "run.epochs",
+    "trainer.experiment_name": "run.name",
+    "trainer.save_freq": "checkpoint.save_every",
+    "trainer.test_freq": "run.eval_every",
+    "custom_reward_function.path": "reward.functions ([{spec: module.path:function}])",
+}
+
+
+def _foreign_hint(where: str, value) -> str | None:
+    """"; TRL's num_generations is rollout.n here" for an unknown key, or for the keys under an unknown section (verl's
+    actor_rollout_ref.*), that FOREIGN_NAMES knows. TRL's flat names are looked up under any PPO section too."""
+    def leaves(prefix, v):
+        return [p for k, w in v.items() for p in leaves(f"{prefix}.{k}", w)] if isinstance(v, dict) else [prefix]
+
+    found = []
+    for path in [where, *leaves(where, value)]:
+        bare = path.rpartition(".")[2]
+        name = path if path in FOREIGN_NAMES else (
+            bare if bare in FOREIGN_NAMES and path.partition(".")[0] not in ("sft", "rm") else None)
+        if name is not None and name not in found:
+            found.append(name)
+    return "".join(f"; {'verl' if '.' in name else 'TRL'}'s {name} is {FOREIGN_NAMES[name]} here"
+                   for name in found) or None
+
+
 def build(cls, raw, prefix: str):
     """Build dataclass `cls` from a mapping, checking unknown keys (with a suggestion) and types."""
     if not isinstance(raw, dict):
@@ -606,7 +682,8 @@ def build(cls, raw, prefix: str):
             raise ConfigError(f"{where} is no longer a key: {RENAMED[where]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys here: {', '.join(names)}"
+            hint = _foreign_hint(where, value) or (
+                f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys here: {', '.join(names)}")
             raise ConfigError(f"unknown key {where!r}{hint}")
         kwargs[key] = _coerce(hints[key], value, where)
     return cls(**kwargs)

@@ -14,6 +14,7 @@ This module imports only the standard library, so the spawned workers that impor
 
 import contextlib
 import importlib
+import importlib.machinery
 import inspect
 import logging
 import math
@@ -186,17 +187,21 @@ def _exit_with_parent(parent: int) -> None:
 _MESHRL_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
-def _user_sys_path() -> list[str]:
+def _user_sys_path(spec: str) -> list[str]:
     """The workers' sys.path: this process's, less meshrl's top-level folder where it is there only because Python
     put the folder of the script it runs (train_ppo.py) first, so that a user's `config.py` or `tasks/` is not
-    hidden by ours. A user who names that folder in PYTHONPATH keeps it."""
+    hidden by ours. A user who names that folder in PYTHONPATH keeps it in place; a spec whose module the user's
+    path does not have (meshrl's own, as `tasks.synthetic:addition_reward`) finds it there last."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if not main_file or os.path.dirname(os.path.realpath(main_file)) != _MESHRL_ROOT:
         return list(sys.path)
     named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     if _MESHRL_ROOT in named:
         return list(sys.path)
-    return [p for p in sys.path if os.path.realpath(p or os.curdir) != _MESHRL_ROOT]
+    paths = [p for p in sys.path if os.path.realpath(p or os.curdir) != _MESHRL_ROOT]
+    if importlib.machinery.PathFinder.find_spec(spec.partition(":")[0].partition(".")[0], paths) is None:
+        paths.append(_MESHRL_ROOT)
+    return paths
 
 
 def _forget_meshrl_modules() -> None:
@@ -276,7 +281,7 @@ class _Worker:
         # The user's module may be importable only through paths added at run time (pytest's pythonpath, a script's
         # sys.path.insert), so the worker gets this process's sys.path explicitly (less meshrl's own folder).
         self.process = context.Process(
-            target=_worker_main, args=(child_conn, spec, _user_sys_path()), daemon=True, name="meshrl-reward-worker"
+            target=_worker_main, args=(child_conn, spec, _user_sys_path(spec)), daemon=True, name="meshrl-reward-worker"
         )
         with _main_script_hidden(spec):
             self.process.start()

@@ -3,12 +3,17 @@ the shipped GRPO example and TRL/verl key names. Real runs of train_ppo.py on th
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import subprocess
 import sys
 
+import pytest
+import yaml
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
 
+import config as C
 from conftest import ROOT, explain, run_env, run_python
 
 
@@ -101,3 +106,41 @@ def test_lengths_beyond_the_models_positions_and_a_malformed_override_exit_2_in_
     assert proc.returncode == 2, explain(proc)
     assert len(proc.stderr.strip().splitlines()) == 1, explain(proc)
     assert proc.stderr.startswith("config error: override 'reward.functions=[{spec:': the value is not valid YAML")
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("num_generations=8", "TRL's num_generations is rollout.n here"),
+    ("rollout.max_completion_length=64", "TRL's max_completion_length is rollout.max_new_tokens here"),
+    ("beta=0.04", "TRL's beta is algorithm.kl.coef"),
+    ("learning_rate=1e-6", "TRL's learning_rate is actor.optim.lr here"),
+    ("data.train_files=x.parquet", "verl's data.train_files is data.train_path here"),
+    ("actor_rollout_ref.rollout.n=8", "verl's actor_rollout_ref.rollout.n is rollout.n here"),
+])
+def test_trl_and_verl_key_names_are_translated_in_the_unknown_key_error(override, hint):
+    with pytest.raises(C.ConfigError, match=re.escape(hint)):
+        C.load_config(str(ROOT / "configs" / "grpo_example.yaml"), [override])
+
+
+def test_the_readme_shows_the_whole_name_table():
+    readme = (ROOT / "README.md").read_text()
+    for name, ours in C.FOREIGN_NAMES.items():
+        assert f"| `{name}` | {ours} |" in readme, name
+
+
+def test_the_grpo_example_runs_on_the_quickstart_assets(tmp_path):
+    """configs/grpo_example.yaml as shipped, on assets built as the quickstart's but smaller (the same settings
+    otherwise: it shares the quickstart's folder), with nothing on PYTHONPATH: its reward, meshrl's own
+    tasks.synthetic, is found by the workers all the same."""
+    example = yaml.safe_load((ROOT / "configs" / "grpo_example.yaml").read_text())
+    assert example["quickstart"] == yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["quickstart"]
+    work = tmp_path / "assets"
+    proc = run_python(["train_ppo.py", "--config", "configs/grpo_example.yaml", "run.total_steps=2", "run.device=cpu",
+                       f"run.output_dir={tmp_path / 'runs'}", f"quickstart.workdir={work}", "quickstart.n_train=64",
+                       "quickstart.n_test=8", "quickstart.hidden_size=32", "quickstart.num_layers=1",
+                       "quickstart.sft_steps=2", f"model.path={work / 'sft'}",
+                       f"data.train_path={work / 'train.jsonl'}", f"data.eval_path={work / 'test.jsonl'}"],
+                      timeout=300, PYTHONPATH="")
+    assert proc.returncode == 0, explain(proc)
+    metrics = tmp_path / "runs" / "grpo_example" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "actor/kl_loss" in rows[1], rows[1].keys()
