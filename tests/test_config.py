@@ -156,6 +156,20 @@ def test_shipped_configs_load():
     ("algorithm.kl.controller=adaptive algorithm.kl.coef=0", "the adaptive controller scales the coefficient"),
     ("actor.tis_cap=2 rollout.top_p=0.9", "the native engine reports log-probs before the top-k/top-p cut"),
     ("actor.tis_cap=2 rollout.top_k=50", "actor.tis_cap with rollout.top_p=1.0 / top_k=50"),
+    ("actor.rollout_correction.mask=geometric rollout.top_p=0.9", "actor.rollout_correction.mask with rollout.top_p"),
+    ("actor.tis_cap=2 actor.rollout_correction.weight=sequence", "both set importance weights"),
+    ("actor.rollout_correction.mask_high=1", "actor.rollout_correction.mask_high=1.0: must be in (1, inf)"),
+    ("actor.clip_low=1", "clip_low=1 (no lower bound) is for policy_loss=cispo"),
+    ("actor.policy_loss=gspo actor.dual_clip=3", "the dual clip bounds the ppo objective's loss"),
+    ("actor.policy_loss=grpo", "actor.policy_loss"),
+    ("algorithm.adv_estimator=reinforce_pp_baseline rollout.n=1", "compares the samples of a prompt"),
+    ("algorithm.distill.coef=1", "on-policy distillation needs a teacher; set teacher.model_path"),
+    ("teacher.model_path=t", "the teacher would be loaded and never used"),
+    # the rail's KL without a reference is the update's own ratio: 0 with one optimizer step per rollout
+    ("algorithm.guard.kl_limit=0.1 algorithm.adv_estimator=grpo algorithm.kl.in_reward=false rollout.n=4",
+     "so the rail could never fire"),
+    ("algorithm.guard.kl_limit=0.1 algorithm.adv_estimator=grpo algorithm.kl.in_reward=false rollout.n=4 "
+     "actor.old_logprobs=forward", "so the rail could never fire"),
 ])
 def test_values_that_would_fail_at_step_one_fail_at_config_time(override, needle):
     with pytest.raises(C.ConfigError) as err:
@@ -174,6 +188,13 @@ def test_a_rollout_over_the_world_refuses_replicas_that_differ():
     C.check_ppo(C.load_config(None, base), 4)  # the actor's pool generates alone: fine
     with pytest.raises(C.ConfigError, match="comm.param_averaging=true with a rollout over the world"):
         C.check_ppo(C.load_config(None, [*base, "rollout.ranks=all"]), 4)
+
+
+def test_the_kl_rail_without_a_reference_is_fine_with_several_steps_per_rollout():
+    base = ["quickstart.enabled=true", "reward.functions=[{spec: exact_match}]", "algorithm.guard.kl_limit=0.1",
+            "algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false", "rollout.n=4"]
+    C.check_ppo(C.load_config(None, [*base, "actor.ppo_epochs=2"]), 1)
+    C.check_ppo(C.load_config(None, [*base, "actor.mini_batch_size=16"]), 1)
 
 
 def test_tis_with_the_whole_distribution_is_fine():
