@@ -114,3 +114,18 @@ def test_offline_kl_is_measured_on_the_trained_actor(assets, tmp_path):  # noqa:
     # runs above the target, which it never did while it read 0
     coefs = [r["actor/kl_coef"] for r in rows]
     assert any(b > a for a, b in zip(coefs, coefs[1:])), coefs
+
+
+def test_with_top_p_the_engine_and_the_trainer_score_one_distribution(assets, tmp_path):  # noqa: F811
+    """Under top-p the native engine's log-probs are of the whole tempered distribution, before the cut, like the
+    trainer's: the engine/trainer mismatch is 0 and PPO's ratio is 1 at the first update of every step (old
+    log-probs from a separate forward pass)."""
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+                       rollout={"top_p": 0.5, "temperature": 0.8},
+                       algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False}},
+                       actor={"old_logprobs": "forward", "ppo_epochs": 1, "mini_batch_size": 0})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    for row in read_metrics(tmp_path / "runs")[1:]:
+        assert row["rollout/logprob_diff_max"] < 1e-4 and row["rollout_corr/mismatch_kl"] < 1e-8, row
+        assert abs(row["actor/ppo_kl"]) < 1e-7 and row["actor/pg_clipfrac"] == 0, row
