@@ -125,7 +125,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = ""  # .jsonl, .parquet or a datasets.save_to_disk folder with a `prompt` column
+    # .jsonl, .parquet or a datasets.save_to_disk folder with a `prompt` column; null (or "") with rollouts_path
+    train_path: str | None = ""
     eval_path: str | list[str] | None = None  # one file or a list; with several, each is reported as its own source
     prompt_key: str = "prompt"
     ground_truth_key: str = "ground_truth"
@@ -387,6 +388,10 @@ class QuickstartConfig:
     sft_lr: float = 3e-3
     sft_batch_size: int = 64
     sft_fraction: float = 1.0  # SFT on the first part of the train prompts only (a weaker warm start)
+    # > 0: also a wider teacher for on-policy distillation (configs/distill_quickstart.yaml) in workdir/teacher, SFT'd
+    # for teacher_sft_steps on every train prompt
+    teacher_hidden_size: int = 0
+    teacher_sft_steps: int = 0
 
 
 @dataclass
@@ -862,6 +867,9 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           f"data-parallel size {dp} (each dp rank generates for an equal share)")
     if this_machine:
         check_run_dir(cfg)
+    if not cfg.data.train_path and not path_list(cfg.data.rollouts_path) and not cfg.quickstart.enabled:
+        raise ConfigError("data.train_path is not set: name the prompts to train on (a .jsonl, .parquet or datasets "
+                          "folder), or logged rollouts in data.rollouts_path to train offline")
     if not cfg.quickstart.enabled and this_machine:
         train = [] if path_list(cfg.data.rollouts_path) else [("data.train_path", cfg.data.train_path)]
         _check_found([*train, ("model.path", cfg.model.path)],

@@ -121,6 +121,9 @@ class PPOTrainer:
                 temperature=cfg.rollout.temperature, prompt_key=cfg.data.prompt_key,
                 ground_truth_key=cfg.data.ground_truth_key, chat_template=cfg.data.chat_template,
                 system_prompt=cfg.data.system_prompt)
+            if layout.rank == 0 and cfg.data.train_path:
+                log.warning("data.train_path=%r is not read: offline training takes its prompts from "
+                            "data.rollouts_path (data.train_path=null says so)", cfg.data.train_path)
             if layout.rank == 0:
                 log.info("offline training on %d logged prompts x %d responses from %d file(s); the PPO ratio is "
                          "against %s", len(self.train_set), cfg.rollout.n, len(files),
@@ -427,6 +430,7 @@ class PPOTrainer:
             index, p_len, r_len = (int(batch[k][i]) for k in ("prompt_index", "prompt_len", "response_len"))
             item = self.train_set[index]
             rows.append({
+                **item.get("columns", {}),  # the record's own columns (a reward reads them when it re-scores)
                 "step": step, "group": f"{self.cfg.run.name}:{step}:{index}", "prompt": item["prompt_text"],
                 "ground_truth": item.get("ground_truth"), "response": text,
                 "prompt_ids": batch["input_ids"][i, :p_len].tolist(),
@@ -861,9 +865,6 @@ def main(argv: list[str]) -> int:
     layout = build_layout(C.pools_of(cfg, info.world_size), info.device.type)
     if info.rank == 0:
         print(layout.describe(), flush=True)
-    signal.signal(signal.SIGTERM, on_stop_signal)
-    signal.signal(signal.SIGUSR1, on_stop_signal)
-    signal.signal(signal.SIGINT, on_interrupt)
     try:
         trainer = PPOTrainer(cfg, layout, info.device)
     except ValueError as e:  # bad data or reward spec: every rank hits it, before any step
@@ -871,6 +872,11 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         shutdown()
         return 2
+    # from here a stop signal means "save and exit"; until now (loading data and models, nothing to save) the
+    # default action stops the process at once, even inside the tokenizer
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGUSR1, on_stop_signal)
+    signal.signal(signal.SIGINT, on_interrupt)
     try:
         result = trainer.fit()
     except (C.ConfigError, checkpoint.ResumeError) as e:  # a finished run started again, unreadable checkpoints:

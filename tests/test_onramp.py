@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import yaml
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
@@ -144,3 +145,36 @@ def test_the_grpo_example_runs_on_the_quickstart_assets(tmp_path):
     metrics = tmp_path / "runs" / "grpo_example" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and "actor/kl_loss" in rows[1], rows[1].keys()
+
+
+def test_offline_with_train_path_null_and_saved_rollouts_keep_the_records_columns(assets, tmp_path):  # noqa: F811
+    records = [json.loads(line) for line in (assets / "train.jsonl").read_text().splitlines()]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({**r, "source_id": f"s{i}", "extra_info": {"index": i}}) + "\n"
+                             for i, r in enumerate(records)))
+    grpo = {"adv_estimator": "grpo", "kl": {"in_reward": False}}
+    online = write_config(tmp_path / "online.yaml", assets, tmp_path / "runs", algorithm=grpo,
+                          run={"total_steps": 1, "save_rollouts": True, "name": "online"},
+                          data={"train_path": str(train)})
+    proc = run_python(["train_ppo.py", "--config", online], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    logged = tmp_path / "runs" / "online" / "rollouts"
+    frame = pd.read_parquet(logged / "step_1.parquet")
+    by_id = {f"s{i}": r for i, r in enumerate(records)}
+    for _, row in frame.iterrows():  # each sample with its record's own columns, as a reward reads them
+        assert by_id[row["source_id"]]["prompt"] == row["prompt"] and row["extra_info"]["index"] == \
+            int(row["source_id"][1:]), row
+    # offline on them with no prompt file: data.train_path=null; a train_path beside rollouts_path is not read, and
+    # the log says so
+    offline = write_config(tmp_path / "offline.yaml", assets, tmp_path / "runs", algorithm=grpo,
+                           run={"name": "offline", "total_steps": 1}, data={"rollouts_path": str(logged)})
+    proc = run_python(["train_ppo.py", "--config", offline, "data.train_path=null"], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "is not read" not in proc.stderr and "offline training on 8 logged prompts" in proc.stderr, explain(proc)
+    proc = run_python(["train_ppo.py", "--config", offline, "run.name=both"], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert f"data.train_path={str(assets / 'train.jsonl')!r} is not read: offline training takes its prompts from " \
+           "data.rollouts_path" in proc.stderr, explain(proc)
+    # online, a train_path of null is named as missing, in one line
+    proc = run_python(["train_ppo.py", "--config", online, "data.train_path=null"], timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("config error: data.train_path is not set"), explain(proc)
