@@ -14,34 +14,56 @@ from tasks.synthetic import write_addition_dataset
 from tasks.tiny_model import save_tiny_model
 
 DONE = "quickstart_done.json"
+TEACHER_DONE = "teacher_done.json"
 
 
 def prepare_quickstart(qcfg, seed: int) -> dict[str, str]:
     """Build the assets unless `workdir` already has them (a marker file is written last). Returns the paths:
     "model" (the SFT warm start), "train", "test"."""
-    from roles.sft import encode_pairs, sft_train  # imports the model stack: keep tasks/ light to import
-
     work = qcfg.workdir
     paths = {"model": os.path.join(work, "sft"), "train": os.path.join(work, "train.jsonl"),
              "test": os.path.join(work, "test.jsonl")}
-    marker = os.path.join(work, DONE)
-    wanted = {k: v for k, v in vars(qcfg).items()} | {"seed": seed}
+    teacher = {k: v for k, v in vars(qcfg).items() if k.startswith("teacher_")}
+    wanted = {k: v for k, v in vars(qcfg).items() if k not in teacher} | {"seed": seed}
+    if not _built(os.path.join(work, DONE), wanted):
+        tokenizer = build_char_tokenizer("0123456789+=")
+        files = write_addition_dataset(work, qcfg.n_train, qcfg.n_test, seed=seed, digits=tuple(qcfg.digits))
+        records = load_sft_records(files["sft"])
+        _sft_model(paths["model"], tokenizer, records[: max(1, int(len(records) * qcfg.sft_fraction))],
+                   qcfg.hidden_size, qcfg, qcfg.sft_steps, seed, os.path.join(work, "init"))
+        _mark(os.path.join(work, DONE), wanted)
+    if qcfg.teacher_hidden_size:
+        paths["teacher"] = os.path.join(work, "teacher")
+        wanted = wanted | teacher
+        if not _built(os.path.join(work, TEACHER_DONE), wanted):
+            records = load_sft_records(os.path.join(work, "sft.jsonl"))
+            _sft_model(paths["teacher"], build_char_tokenizer("0123456789+="), records, qcfg.teacher_hidden_size,
+                       qcfg, qcfg.teacher_sft_steps, seed)
+            _mark(os.path.join(work, TEACHER_DONE), wanted)
+    return paths
+
+
+def _built(marker: str, wanted: dict) -> bool:
     if os.path.isfile(marker):
         with open(marker) as f:
-            if json.load(f) == wanted:
-                return paths
-    tokenizer = build_char_tokenizer("0123456789+=")
-    files = write_addition_dataset(work, qcfg.n_train, qcfg.n_test, seed=seed, digits=tuple(qcfg.digits))
-    model = save_tiny_model(os.path.join(work, "init"), tokenizer, hidden_size=qcfg.hidden_size,
-                            num_layers=qcfg.num_layers, num_heads=4, num_kv_heads=2,
-                            intermediate_size=2 * qcfg.hidden_size, max_position_embeddings=64, seed=seed)
-    records = load_sft_records(files["sft"])
-    records = records[: max(1, int(len(records) * qcfg.sft_fraction))]
-    torch.manual_seed(seed)
-    sft_train(model, encode_pairs(records, tokenizer), qcfg.sft_steps, qcfg.sft_lr, qcfg.sft_batch_size, seed,
-              torch.device("cpu"))
-    model.save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
+            return json.load(f) == wanted
+    return False
+
+
+def _mark(marker: str, wanted: dict) -> None:  # written last: a build stopped half-way is redone
     with open(marker, "w") as f:
         json.dump(wanted, f)
-    return paths
+
+
+def _sft_model(out: str, tokenizer, records: list, hidden: int, qcfg, steps: int, seed: int,
+               init: str | None = None) -> None:
+    """A tiny model `hidden` wide (qcfg.num_layers deep), SFT'd for `steps` on `records`, saved with the tokenizer."""
+    from roles.sft import encode_pairs, sft_train  # imports the model stack: keep tasks/ light to import
+
+    model = save_tiny_model(init or out, tokenizer, hidden_size=hidden, num_layers=qcfg.num_layers, num_heads=4,
+                            num_kv_heads=2, intermediate_size=2 * hidden, max_position_embeddings=64, seed=seed)
+    torch.manual_seed(seed)
+    sft_train(model, encode_pairs(records, tokenizer), steps, qcfg.sft_lr, qcfg.sft_batch_size, seed,
+              torch.device("cpu"))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_ppo import assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
 
-from conftest import explain, run_python
+from conftest import explain, run_python, torchrun
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.tiny_model import save_tiny_model
 
@@ -129,3 +129,25 @@ def test_with_top_p_the_engine_and_the_trainer_score_one_distribution(assets, tm
     for row in read_metrics(tmp_path / "runs")[1:]:
         assert row["rollout/logprob_diff_max"] < 1e-4 and row["rollout_corr/mismatch_kl"] < 1e-8, row
         assert abs(row["actor/ppo_kl"]) < 1e-7 and row["actor/pg_clipfrac"] == 0, row
+
+
+def test_a_teacher_in_its_own_pool_scores_as_a_colocated_one(assets, tmp_path):  # noqa: F811
+    """The teacher placed on a rank of its own (split pools, its log-probs sent back to the actor's rank) gives the
+    run the colocated teacher gives: the same samples, the same reverse KL, step for step."""
+    teacher = make_teacher(assets, tmp_path / "teacher")
+    common = dict(run={"total_steps": 3, "eval_every": 0},
+                  algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False}, "distill": {"coef": 0.5}},
+                  teacher={"model_path": teacher, "fsdp": {"param_dtype": "float32"}})
+    one = write_config(tmp_path / "one.yaml", assets, tmp_path / "one", **common)
+    proc = run_python(["train_ppo.py", "--config", one], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    split = {"mode": "split", "pools": [{"name": "actor", "size": 1, "roles": ["actor", "reward"]},
+                                        {"name": "teacher", "size": 1, "roles": ["teacher"]}]}
+    two = write_config(tmp_path / "two.yaml", assets, tmp_path / "two", placement=split, **common)
+    proc = torchrun(["train_ppo.py", "--config", two], nproc=2, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "pool teacher: ranks 1-1 roles teacher" in proc.stdout, explain(proc)
+    colocated, apart = read_metrics(tmp_path / "one")[1:], read_metrics(tmp_path / "two")[1:]
+    for a, b in zip(colocated, apart, strict=True):
+        for key in ("distill/reverse_kl", "reward/score/mean", "actor/pg_loss", "response_length/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
