@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: quickstart test lint clean
+.PHONY: quickstart test lint clean distclean
 
 $(STAMP): requirements.txt
 	python3 -m venv $(VENV)
@@ -15,8 +15,11 @@ $(STAMP): requirements.txt
 # round differently from AVX2 ones, and 600 SFT steps amplify the difference); these pin the AVX2 paths.
 DETERMINISTIC_CPU := MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=avx2
 
+# a fresh run folder each time: runs/quickstart, then runs/quickstart_2, ... (the built assets are reused)
 quickstart: $(STAMP)
-	$(DETERMINISTIC_CPU) $(PY) train_ppo.py --config configs/quickstart.yaml
+	@name=quickstart; n=1; while [ -e runs/$$name ]; do n=$$((n + 1)); name=quickstart_$$n; done; \
+	echo "run folder: runs/$$name"; \
+	$(DETERMINISTIC_CPU) $(PY) train_ppo.py --config configs/quickstart.yaml run.name=$$name
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -26,5 +29,9 @@ lint: $(STAMP)
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
+# the runs and caches; the environment stays (distclean removes it too)
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf runs .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV)

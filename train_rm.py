@@ -25,11 +25,13 @@ from roles.rm import encode_preferences, hold_out, load_reward_model, train_rewa
 from roles.sft import save_hf
 from tasks.data import load_preference_records, padding_id
 
+log = logging.getLogger("meshrl")
 CONSOLE_KEYS = ("rm/loss", "rm/accuracy", "eval/accuracy", "eval/margin/mean", "eval/loss")
 
 
-def load_pairs(cfg: C.Config, tokenizer) -> tuple[list, list, int]:
-    """(train pairs, held-out pairs, pairs dropped as longer than rm.max_len); ValueError for bad data."""
+def load_pairs(cfg: C.Config, tokenizer, rank: int = 0) -> tuple[list, list, int]:
+    """(train pairs, held-out pairs, pairs dropped as longer than rm.max_len); ValueError for bad data. Pairs with no
+    signal are dropped too, with a warning (from rank 0) naming them."""
     rm = cfg.rm
     keys = (rm.prompt_key, rm.chosen_key, rm.rejected_key, rm.margin_key)
     records = load_preference_records(rm.train_path, *keys)
@@ -38,16 +40,21 @@ def load_pairs(cfg: C.Config, tokenizer) -> tuple[list, list, int]:
     else:
         train, held_out = hold_out(records, rm.eval_fraction, cfg.run.seed)
     template = dict(chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
-    train_pairs, dropped = encode_preferences(train, tokenizer, rm.max_len, **template)
-    eval_pairs, dropped_eval = encode_preferences(held_out, tokenizer, rm.max_len, **template)
+    train_pairs, dropped, blank = encode_preferences(train, tokenizer, rm.max_len, **template)
+    eval_pairs, dropped_eval, blank_eval = encode_preferences(held_out, tokenizer, rm.max_len, **template)
+    if rank == 0:
+        for path, pairs in ((rm.train_path, blank), (rm.eval_path or rm.train_path, blank_eval)):
+            if pairs:  # the loss of such a pair is log 2 whatever the model: it teaches nothing and dilutes the batch
+                log.warning("%s: dropped %d preference pair(s) with no signal: %s%s", path, len(pairs),
+                            "; ".join(pairs[:5]), f"; and {len(pairs) - 5} more" if len(pairs) > 5 else "")
     where = f"{rm.train_path}" + (f" ({len(held_out)} of its pairs held out)" if rm.eval_path is None else "")
     if len(train_pairs) < rm.batch_size:
         raise ValueError(f"{where}: {len(train_pairs)} training pairs (after dropping {dropped} with a side longer "
-                         f"than rm.max_len={rm.max_len} tokens) cannot fill one batch of rm.batch_size="
-                         f"{rm.batch_size}")
+                         f"than rm.max_len={rm.max_len} tokens and {len(blank)} with no signal) cannot fill one batch "
+                         f"of rm.batch_size={rm.batch_size}")
     if held_out and not eval_pairs:
-        raise ValueError(f"{rm.eval_path or where}: every held-out pair has a side longer than rm.max_len="
-                         f"{rm.max_len} tokens")
+        raise ValueError(f"{rm.eval_path or where}: no held-out pair is left ({dropped_eval} with a side longer than "
+                         f"rm.max_len={rm.max_len} tokens, {len(blank_eval)} with no signal)")
     return train_pairs, eval_pairs, dropped + dropped_eval
 
 
@@ -61,7 +68,7 @@ def main(argv: list[str]) -> int:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
                                                   trust_remote_code=cfg.model.trust_remote_code)
         pad = padding_id(tokenizer, cfg.model.tokenizer_path or cfg.model.path)
-        train, held_out, dropped = load_pairs(cfg, tokenizer)
+        train, held_out, dropped = load_pairs(cfg, tokenizer, rank)
     except (ValueError, OSError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from parallel.layout import Pool
 from roles.modeling import grad_norm_and_clip, lr_factor
 from roles.sft import encode_pairs
 from rollout.api import ATTENTION_BACKENDS
-from tasks.data import PromptSampler, shard_indices
+from tasks.data import MAX_CHARS_PER_TOKEN, PromptSampler, shard_indices, text_chars
 
 log = logging.getLogger("meshrl")
 
@@ -49,17 +49,30 @@ def load_reward_model(path: str, pad_token_id: int, trust_remote_code: bool = Fa
 
 
 def encode_preferences(records: list[dict], tokenizer, max_len: int, chat_template: bool | None = None,
-                       system_prompt: str | None = None) -> tuple[list[Pair], int]:
+                       system_prompt: str | None = None) -> tuple[list[Pair], int, list[str]]:
     """(chosen ids, rejected ids, margin) per record: each side is prompt + response + eos as roles/sft.encode_pairs
     builds it (prompts templated as train_ppo.py's are: data.chat_template, data.system_prompt), i.e. the tokens PPO
-    later scores. Pairs with a side longer than max_len tokens are dropped; returns the pairs and how many."""
+    later scores. Returns the pairs, how many were dropped with a side longer than max_len tokens (a side of more
+    than max_len * MAX_CHARS_PER_TOKEN characters is not tokenised), and `where (why)` of each pair dropped for having
+    no signal: chosen the same as rejected, or a response that tokenises to nothing."""
+    limit = max_len * MAX_CHARS_PER_TOKEN
+    fit = [{**r, "where": r.get("where", f"pair {i}")} for i, r in enumerate(records)
+           if text_chars(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"])) <= limit]
     template = dict(chat_template=chat_template, system_prompt=system_prompt)
-    chosen = encode_pairs([{"prompt": r["prompt"], "response": r["chosen"]} for r in records], tokenizer, **template)
-    rejected = encode_pairs([{"prompt": r["prompt"], "response": r["rejected"]} for r in records], tokenizer,
-                            **template)
-    pairs = [(c, r, rec["margin"]) for (c, _), (r, _), rec in zip(chosen, rejected, records)
-             if max(len(c), len(r)) <= max_len]
-    return pairs, len(records) - len(pairs)
+    chosen, rejected = (encode_pairs([{"prompt": r["prompt"], "response": r[side], "where": r["where"]} for r in fit],
+                                     tokenizer, **template) for side in ("chosen", "rejected"))
+    pairs, no_signal, too_long = [], [], len(records) - len(fit)
+    for (c, c_prompt), (r, r_prompt), rec in zip(chosen, rejected, fit):
+        empty = [side for side, ids, p in (("chosen", c, c_prompt), ("rejected", r, r_prompt)) if len(ids) - p <= 1]
+        if c == r or empty:  # only the eos after the prompt, or both sides alike: the loss is log 2 whatever the model
+            why = f"the {empty[0]} response has no tokens" if empty else "chosen and rejected are the same" if \
+                rec["chosen"] == rec["rejected"] else "chosen and rejected tokenise alike"
+            no_signal.append(f"{rec['where']} ({why})")
+        elif max(len(c), len(r)) > max_len:
+            too_long += 1
+        else:
+            pairs.append((c, r, rec["margin"]))
+    return pairs, too_long, no_signal
 
 
 def hold_out(records: list, fraction: float, seed: int) -> tuple[list, list]:

@@ -203,10 +203,25 @@ def load_preference_records(path: str | Path, prompt_key: str = "prompt", chosen
         rejected = _check_response(_required(row, rejected_key, where, "rejected"), rejected_key, where)
         margin, _ = _lookup(row, margin_key)
         margin = 0.0 if margin is None else _finite_number(margin, f"column {margin_key!r}", where)
-        records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": margin})
+        records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": margin, "where": where})
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
+
+
+# A text of more than this many characters per token allowed is taken as too long without tokenising it: tokens
+# average a few characters, and no vocabulary we know comes near this over a whole text.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def text_chars(value: object) -> int:
+    """The characters of a prompt or response: its text, or its chat messages' contents together (0 for anything
+    else, which the checks that follow refuse)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(m["content"]) for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
 
 
 def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase, chat_template: bool | None = None,
@@ -283,10 +298,13 @@ class PromptDataset:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be at least 1")
         if not records:
             raise ValueError("PromptDataset got no records")
-        prompt_texts, prompt_ids = render_prompts(records, tokenizer, chat_template, system_prompt)
+        # a prompt far too long by its characters is dropped before the tokenizer sees it: a 50 MB line would take
+        # many GB and minutes to tokenise, only to be dropped for its length
+        short = [r for r in records if text_chars(r["prompt"]) <= max_prompt_len * MAX_CHARS_PER_TOKEN]
+        prompt_texts, prompt_ids = render_prompts(short, tokenizer, chat_template, system_prompt) if short else ([], [])
 
         self.items = []
-        for i, record in enumerate(records):
+        for i, record in enumerate(short):
             if not prompt_ids[i]:
                 raise ValueError(f"{record.get('where', f'record {i}')}: the prompt {record['prompt']!r:.200} "
                                  "tokenises to no tokens")
@@ -302,7 +320,8 @@ class PromptDataset:
                 )
         self.n_dropped_too_long = len(records) - len(self.items)
         if not self.items:
-            shortest = min(len(ids) for ids in prompt_ids)
+            shortest = f"{min(len(ids) for ids in prompt_ids)} tokens" if prompt_ids else \
+                f"over {max_prompt_len * MAX_CHARS_PER_TOKEN} characters"
             raise ValueError(
                 f"all {len(records)} prompts are longer than max_prompt_len={max_prompt_len} tokens "
                 f"(the shortest has {shortest})"

@@ -19,7 +19,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.data import PromptDataset, _check_prompt, _finite_number, _lookup, _read_rows, _required
+from tasks.data import (
+    MAX_CHARS_PER_TOKEN,
+    PromptDataset,
+    _check_prompt,
+    _finite_number,
+    _lookup,
+    _read_rows,
+    _required,
+    text_chars,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +104,8 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
     keys = [json.dumps(prompt, sort_keys=True) if ids is None else None for _, _, ids, prompt in rows]
     texts = {}  # each text prompt once, with its first row for errors
     for (where, _, ids, prompt), key in zip(rows, keys):
-        if ids is None:
+        # a prompt far longer in characters than max_prompt_len allows is dropped untokenised (PromptDataset's bound)
+        if ids is None and text_chars(prompt) <= max_prompt_len * MAX_CHARS_PER_TOKEN:
             texts.setdefault(key, {"prompt": prompt, "where": where})
     encoded = {}
     if texts:
@@ -107,15 +117,20 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
     for (where, row, ids, prompt), key in zip(rows, keys):
         if ids is not None:
             prompt_ids, prompt_text = ids, tokenizer.decode(ids)
-        else:
+        elif key in encoded:
             item = encoded[key]
             prompt_ids, prompt_text = item["prompt_ids"], item["prompt_text"]
+        else:  # too long to tokenise: its group is dropped below
+            prompt_ids, prompt_text = None, None
         if row.get("response_ids") is not None:
             response = _token_ids(row["response_ids"], "response_ids", where, vocab_size)
         else:
             text = _required(row, "response", where, "response (or response_ids)")
             if not isinstance(text, str):
                 raise ValueError(f"{where}: response must be text, got {text!r:.100}")
+            if len(text) > max_response_len * MAX_CHARS_PER_TOKEN:  # not worth tokenising to learn it
+                raise ValueError(f"{where}: the response has {len(text)} characters, far more than "
+                                 f"rollout.max_new_tokens={max_response_len} tokens hold; raise it")
             response = tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
         if not response:
             raise ValueError(f"{where}: the response has no tokens")
@@ -161,7 +176,7 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
             "every prompt needs the same number of responses"
         raise ValueError(f"{odd['where']}: the group of this prompt has {len(odd['responses'])} responses but "
                          f"rollout.n={group_size}; {hint}")
-    kept = [g for g in groups.values() if len(g["prompt_ids"]) <= max_prompt_len]
+    kept = [g for g in groups.values() if g["prompt_ids"] is not None and len(g["prompt_ids"]) <= max_prompt_len]
     if len(kept) < len(groups):
         logger.warning("dropped %d of %d logged prompts longer than max_prompt_len=%d tokens",
                        len(groups) - len(kept), len(groups), max_prompt_len)

@@ -178,3 +178,26 @@ def test_offline_with_train_path_null_and_saved_rollouts_keep_the_records_column
     # online, a train_path of null is named as missing, in one line
     proc = run_python(["train_ppo.py", "--config", online, "data.train_path=null"], timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("config error: data.train_path is not set"), explain(proc)
+
+
+def make(folder, *args) -> subprocess.CompletedProcess:
+    """`make ARGS` on a copy of the Makefile in `folder`, the environment taken as built and python as `echo`."""
+    (folder / "stamp").touch()
+    proc = subprocess.run(["make", "-s", "-C", str(folder), *args, f"STAMP={folder / 'stamp'}", "PY=echo"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    return proc
+
+
+def test_make_quickstart_runs_again_in_a_fresh_folder_and_make_clean_keeps_the_environment(tmp_path):
+    for name in ("Makefile", "requirements.txt"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    assert make(tmp_path, "quickstart").stdout.split()[-1] == "run.name=quickstart"
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)  # a finished run: starting it again would exit 2
+    (tmp_path / "runs" / "quickstart_2").mkdir()
+    assert make(tmp_path, "quickstart").stdout.split()[-1] == "run.name=quickstart_3"
+    (tmp_path / ".venv").mkdir()
+    make(tmp_path, "clean")
+    assert (tmp_path / ".venv").is_dir() and not (tmp_path / "runs").exists()
+    make(tmp_path, "distclean")
+    assert not (tmp_path / ".venv").exists()
