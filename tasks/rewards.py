@@ -179,7 +179,16 @@ def _exit_with_parent(parent: int) -> None:
     """A worker busy in a user function never reads its pipe, so it would not see its trainer die (SIGKILL): poll."""
     while os.getppid() == parent:
         time.sleep(1.0)
-    os._exit(0)
+    _end_own_group()
+
+
+def _end_own_group(*_) -> None:
+    """End this worker and every process in its group (what the user's module started, at import or in a call):
+    nothing a reward function spawned outlives the run."""
+    try:
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 # meshrl's top-level folder: its modules (config, tasks, algo, batch, plan, monitor, checkpoint, ...) have names a
@@ -221,6 +230,9 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     a None task or the parent's end of the pipe closes."""
     # Ctrl-C reaches the whole process group; the parent decides how to shut down, the workers just get stopped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a group of its own, which the processes the user's module starts join: stop() and the parent's end take it all
+    os.setpgrp()
+    signal.signal(signal.SIGTERM, _end_own_group)  # multiprocessing's atexit terminates daemon workers so
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     sys.path[:] = sys_path
     if spec.partition(":")[0] not in ("__main__", "__mp_main__"):
@@ -297,6 +309,10 @@ class _Worker:
             except OSError:
                 pass
             self.process.join(timeout=1.0)
+        try:  # the worker's group: the worker (if still alive) and what the user's module started
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # none left, or the worker had not made its group yet
+            pass
         if self.process.is_alive():
             self.process.kill()
         self.process.join()

@@ -3,6 +3,7 @@ trains silently on junk. Real runs of the entry points on the tiny test model, r
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -132,8 +133,6 @@ def test_errors_name_the_file_and_row(tmp_path):
 
 
 def test_a_rollout_file_changed_before_a_resume_is_refused(assets, tmp_path):  # noqa: F811
-    import json
-
     from tests.user_rewards import ones_fraction
 
     rows = [{"prompt": f"{a}+{b}=", "response": r, "score": ones_fraction(r, None, "")}
@@ -159,3 +158,140 @@ def test_a_rollout_file_changed_before_a_resume_is_refused(assets, tmp_path):  #
     proc = run_python(["train_ppo.py", "--config", more, "checkpoint.allow_config_change=[data.rollouts_path]"],
                       timeout=300)
     assert proc.returncode == 0 and "with changed rollout files (allowed)" in proc.stderr, explain(proc)
+
+
+def test_reward_model_pairs_with_no_signal_are_dropped_or_refused(tmp_path):
+    from test_train_rm import addition_pairs, tiny_model, write_jsonl
+    from test_train_rm import write_config as write_rm_config
+
+    from roles.rm import encode_preferences
+
+    tokenizer = tiny_model(tmp_path / "init")
+    blank = [{"prompt": "1+1=", "chosen": "2", "rejected": "2"}, {"prompt": "1+2=", "chosen": "", "rejected": "3"},
+             {"prompt": "2+2=", "chosen": "4", "rejected": ""}, {"prompt": "3+3=", "chosen": "6a", "rejected": "6b"}]
+    huge = {"prompt": "1+" * 1_000_000 + "1=", "chosen": "2", "rejected": "3"}  # 2M characters: never tokenised
+    rows = addition_pairs(8, 1, digits=(1, 1), seed=0)
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows[:4] + blank + [huge] + rows[4:])
+    cfg = {"run": {"device": "cpu", "output_dir": str(tmp_path / "runs"), "tensorboard": False},
+           "model": {"path": str(tmp_path / "init")},
+           "rm": {"train_path": data, "eval_fraction": 0, "steps": 1, "batch_size": 4, "max_len": 32,
+                  "output_dir": str(tmp_path / "out"), "fsdp": {"param_dtype": "float32"}}}
+    proc = run_python(["train_rm.py", "--config", write_rm_config(tmp_path / "c.yaml", cfg)], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert (f"{data}: dropped 4 preference pair(s) with no signal: {data}:5 (chosen and rejected are the same); "
+            f"{data}:6 (the chosen response has no tokens); {data}:7 (the rejected response has no tokens); "
+            f"{data}:8 (chosen and rejected tokenise alike)") in proc.stderr, explain(proc)
+    assert "rm: 8 training pairs, 0 held out, 1 dropped as longer than rm.max_len=32" in proc.stdout, explain(proc)
+    # a file of nothing but such pairs is refused
+    none_left = write_jsonl(tmp_path / "blank.jsonl", blank)
+    proc = run_python(["train_rm.py", "--config", write_rm_config(tmp_path / "c.yaml", cfg),
+                       f"rm.train_path={none_left}"], timeout=300)
+    assert proc.returncode == 2 and "0 training pairs (after dropping 0 with a side longer than rm.max_len=32 " \
+        "tokens and 4 with no signal)" in proc.stderr, explain(proc)
+    # the work per record is bounded: a side of far more characters than max_len allows is dropped untokenised
+    import time
+
+    began = time.perf_counter()
+    pairs, too_long, _ = encode_preferences([huge] * 20, tokenizer, max_len=32)
+    assert (pairs, too_long) == ([], 20) and time.perf_counter() - began < 1.0
+
+
+def test_a_huge_prompt_is_dropped_before_it_is_tokenised(tmp_path):
+    import time
+
+    from tasks.char_tokenizer import build_char_tokenizer
+    from tasks.data import PromptDataset
+    from tasks.offline import load_offline_groups
+
+    tokenizer = build_char_tokenizer("0123456789+=")
+    huge = "1+" * 2_500_000 + "1="  # 5 MB
+    records = [{"prompt": "1+1="}, {"prompt": huge}, {"prompt": [{"role": "user", "content": huge}]}]
+    began = time.perf_counter()
+    dataset = PromptDataset(records * 10, tokenizer, max_prompt_len=8)
+    assert len(dataset) == 10 and dataset.n_dropped_too_long == 20
+    with pytest.raises(ValueError, match="all 1 prompts are longer than max_prompt_len=8 tokens \\(the shortest has "
+                                         "over 512 characters\\)"):
+        PromptDataset([{"prompt": huge}], tokenizer, max_prompt_len=8)
+    logged = tmp_path / "logged.jsonl"
+    logged.write_text("".join(json.dumps({"prompt": p, "response": "1", "score": 1.0}) + "\n"
+                              for p in ("1+1=", "1+1=", huge, huge)))
+    kept = load_offline_groups([str(logged)], tokenizer, group_size=2, vocab_size=len(tokenizer), max_prompt_len=8,
+                               max_response_len=4)
+    assert len(kept) == 1 and kept.n_dropped_too_long == 1
+    logged.write_text(json.dumps({"prompt": "1=", "response": huge, "score": 1.0}) + "\n")
+    with pytest.raises(ValueError, match=r"logged\.jsonl:1: the response has 5000002 characters, far more than "
+                                         r"rollout\.max_new_tokens=4"):
+        load_offline_groups([str(logged)], tokenizer, group_size=1, vocab_size=len(tokenizer), max_prompt_len=8,
+                            max_response_len=4)
+    assert time.perf_counter() - began < 10
+
+
+SPAWNER = '''
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(os.environ["SPAWNED_PIDS"], "a") as f:
+    f.write(f"{child.pid}\\n")
+if os.environ.get("SLOW_IMPORT"):
+    time.sleep(120)
+
+
+def score(response, ground_truth, prompt):
+    return response.count("1") / len(response) if response else 0.0
+'''
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def all_gone(pids: list[int], within_s: float) -> bool:
+    import time
+
+    deadline = time.time() + within_s
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    return not any(alive(p) for p in pids)
+
+
+def test_what_a_reward_module_spawns_ends_with_the_run_and_loading_stops_on_sigterm(assets, tmp_path):  # noqa: F811
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, run_env
+
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "hostile_spawner.py").write_text(SPAWNER)
+    pids = tmp_path / "pids.txt"
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'mods'}", "SPAWNED_PIDS": str(pids)}
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
+                       reward={"functions": [{"spec": "hostile_spawner:score"}], "num_workers": 1})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, **env)
+    assert proc.returncode == 0, explain(proc)
+    spawned = [int(p) for p in pids.read_text().split()]
+    assert spawned and all_gone(spawned, within_s=5), f"still running after the run: {spawned}"
+
+    # SIGTERM while the trainer loads (here: waits for a reward module's import) stops it at once; the worker and
+    # what it spawned go with it
+    pids.unlink()
+    started = subprocess.Popen([sys.executable, "train_ppo.py", "--config", cfg, "run.name=slow"], cwd=ROOT,
+                               env=run_env(**env, SLOW_IMPORT=1), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not pids.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert pids.exists(), "the reward module was never imported"
+    started.send_signal(signal.SIGTERM)
+    try:
+        started.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        started.kill()
+        started.communicate()
+        pytest.fail("SIGTERM did not stop a trainer that was still loading")
+    assert started.returncode == -signal.SIGTERM
+    spawned = [int(p) for p in pids.read_text().split()]
+    assert all_gone(spawned, within_s=10), f"still running after the trainer died: {spawned}"

@@ -66,8 +66,8 @@ def test_loss_matches_a_loop_over_pairs_of_a_real_model(tmp_path):
     records = [{"prompt": "1+2=", "chosen": "3", "rejected": "12", "margin": 0.0},
                {"prompt": "45+67=", "chosen": "112", "rejected": "9", "margin": 1.5},
                {"prompt": "8+8=", "chosen": "16", "rejected": "61", "margin": -0.5}]
-    pairs, dropped = encode_preferences(records, tokenizer, max_len=64)
-    assert dropped == 0 and pairs[1][0] == tokenizer.encode("45+67=112") + [tokenizer.eos_token_id]
+    pairs, dropped, blank = encode_preferences(records, tokenizer, max_len=64)
+    assert dropped == 0 and blank == [] and pairs[1][0] == tokenizer.encode("45+67=112") + [tokenizer.eos_token_id]
     with torch.no_grad():
         chosen, rejected = pair_scores(model, pairs, CPU)  # one right-padded forward of all six sequences
         losses = bradley_terry_loss(chosen, rejected, torch.tensor([r["margin"] for r in records]))
@@ -113,7 +113,7 @@ def test_reward_model_learns_addition_on_two_ranks_and_scores_ppo(tmp_path):
     # accuracy the run logged
     seq_cls = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     per_token = load_value_model(str(tmp_path / "rm")).eval()
-    encoded, _ = encode_preferences(load_preference_records(tmp_path / "eval.jsonl"), tokenizer, 64)
+    encoded, _, _ = encode_preferences(load_preference_records(tmp_path / "eval.jsonl"), tokenizer, 64)
     seqs = [p[0] for p in encoded] + [p[1] for p in encoded]
     lengths = torch.tensor([len(s) for s in seqs])
     ids = torch.full((len(seqs), int(lengths.max())), tokenizer.pad_token_id)
@@ -194,8 +194,11 @@ def test_preference_records_from_parquet_with_messages_and_margins(tmp_path):
              "rejected": [{"role": "assistant", "content": "5"}], "margin": None}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
     records = load_preference_records(tmp_path / "p.parquet")
-    assert records == [{"prompt": [{"role": "user", "content": "1+2"}], "chosen": "3", "rejected": "4", "margin": 2.0},
-                       {"prompt": [{"role": "user", "content": "2+2"}], "chosen": "4", "rejected": "5", "margin": 0.0}]
+    where = f"{tmp_path / 'p.parquet'} row"
+    assert records == [{"prompt": [{"role": "user", "content": "1+2"}], "chosen": "3", "rejected": "4", "margin": 2.0,
+                        "where": f"{where} 0"},
+                       {"prompt": [{"role": "user", "content": "2+2"}], "chosen": "4", "rejected": "5", "margin": 0.0,
+                        "where": f"{where} 1"}]
     for row, needle in (({"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": "big"},
                          "bad.jsonl:1: column 'margin' must be a finite number, got str 'big'"),
                         ({"prompt": "1+1=", "chosen": [{"role": "user", "content": "2"}], "rejected": "3"},
