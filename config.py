@@ -909,6 +909,10 @@ def check_run_dir(cfg: Config) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"run.output_dir={out!r}: {probe} is not writable by this user; pick a folder you can "
                           "write (run.output_dir=...)")
+    checkpoints = os.path.join(run_dir, "checkpoints")  # a resume writes its next checkpoint there
+    if os.path.isdir(checkpoints) and not os.access(checkpoints, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.name={cfg.run.name!r}: {checkpoints} is not writable by this user, so the run could "
+                          "resume but never save; make it writable or pick another run.name")
     wandb_dir = os.path.join(run_dir, "wandb")
     if cfg.run.wandb and os.path.lexists(wandb_dir) and not os.path.isdir(wandb_dir):
         raise ConfigError(f"run.wandb=true: {wandb_dir} (where W&B writes) is a file, not a folder; remove it")

@@ -47,10 +47,18 @@ def test_the_run_folder_must_be_usable_and_the_port_valid(assets, tmp_path):  # 
     with pytest.raises(C.ConfigError, match=r"is a file, not a run folder"):
         C.check_ppo(C.load_config(cfg), 1)
     (tmp_path / "runs" / "t").unlink()
-    if os.geteuid() != 0:  # root writes anywhere
-        (tmp_path / "ro").mkdir(mode=0o500)
-        with pytest.raises(C.ConfigError, match=r"not writable"):
+    # read-only folders (os.access stands in for the permission bits: the tests may run as root, who writes anywhere)
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "runs" / "t" / "checkpoints").mkdir(parents=True)
+    writable = os.access
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "access", lambda path, mode: not str(path).endswith(("ro", "checkpoints")) and
+                      writable(path, mode))
+        with pytest.raises(C.ConfigError, match=r"run\.output_dir=.*ro is not writable"):
             C.check_ppo(C.load_config(cfg, [f"run.output_dir={tmp_path / 'ro'}"]), 1)
+        with pytest.raises(C.ConfigError, match=r"checkpoints is not writable by this user, so the run could resume"):
+            C.check_ppo(C.load_config(cfg), 1)
+    C.check_ppo(C.load_config(cfg), 1)
     proc = run_python(["train_ppo.py", "--config", cfg, f"run.output_dir={tmp_path / 'a_file'}"], timeout=120)
     assert proc.returncode == 2 and "config error: run.output_dir=" in proc.stderr, explain(proc)
 
