@@ -15,6 +15,7 @@ This module imports only the standard library, so the spawned workers that impor
 import contextlib
 import importlib
 import importlib.machinery
+import importlib.util
 import inspect
 import logging
 import math
@@ -86,14 +87,34 @@ BUILTIN_REWARDS: dict[str, Callable[..., float]] = {"gsm8k": gsm8k_match, "exact
 
 
 def _check_spec(spec: str) -> tuple[str, str]:
-    """(module, function) of a "module.path:function" spec; ValueError for anything else."""
-    module_name, colon, function_name = spec.partition(":")
+    """(module or .py file, function) of a "module.path:function" or "path/to/file.py:function" spec (verl's
+    custom_reward_function.path); ValueError for anything else, and for a file that is not there."""
+    module_name, colon, function_name = spec.rpartition(":")
+    if not module_name.endswith(".py"):
+        module_name, colon, function_name = spec.partition(":")
     if not (colon and module_name and function_name.isidentifier()):
         raise ValueError(
-            f"reward function spec {spec!r} is not valid; use one of {sorted(BUILTIN_REWARDS)} "
-            "or 'module.path:function'"
+            f"reward function spec {spec!r} is not valid; use one of {sorted(BUILTIN_REWARDS)}, "
+            "'module.path:function' or 'path/to/file.py:function'"
         )
+    if module_name.endswith(".py") and not os.path.isfile(module_name):
+        raise ValueError(f"reward function {spec!r}: no file {os.path.abspath(module_name)}")
     return module_name, function_name
+
+
+def _import_file(path: str):
+    """The module of a .py file, its folder first on sys.path so that the modules beside it (its own config.py) are
+    the ones it imports."""
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # as an import would: dataclasses and pickling look the module up by name
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
@@ -101,10 +122,19 @@ def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     module_name, function_name = _check_spec(spec)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}") from e
+    if module_name.endswith(".py"):
+        module = _import_file(module_name)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            hint = ""
+            if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
+                top = module_name.partition(".")[0]
+                hint = (f". The folder that holds {top!r} is not on the path: start with PYTHONPATH=that/folder "
+                        f"(PYTHONPATH=. from there), or name the file: 'path/to/{module_name.replace('.', '/')}.py:"
+                        f"{function_name}'")
+            raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}{hint}") from e
     function = getattr(module, function_name, None)
     if not callable(function):
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -208,7 +238,9 @@ def _user_sys_path(spec: str) -> list[str]:
     if _MESHRL_ROOT in named:
         return list(sys.path)
     paths = [p for p in sys.path if os.path.realpath(p or os.curdir) != _MESHRL_ROOT]
-    if importlib.machinery.PathFinder.find_spec(spec.partition(":")[0].partition(".")[0], paths) is None:
+    module_name = _check_spec(spec)[0]
+    if not module_name.endswith(".py") and importlib.machinery.PathFinder.find_spec(
+            module_name.partition(".")[0], paths) is None:
         paths.append(_MESHRL_ROOT)
     return paths
 

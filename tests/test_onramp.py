@@ -201,3 +201,30 @@ def test_make_quickstart_runs_again_in_a_fresh_folder_and_make_clean_keeps_the_e
     assert (tmp_path / ".venv").is_dir() and not (tmp_path / "runs").exists()
     make(tmp_path, "distclean")
     assert not (tmp_path / ".venv").exists()
+
+
+def test_a_reward_given_as_a_file_path_imports_the_modules_beside_it(tmp_path):
+    """verl's custom_reward_function.path: 'path/to/file.py:function', its folder's own config.py imported."""
+    from tasks.rewards import RewardFunctionRunner
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "config.py").write_text("WEIGHT = 0.5\n")
+    (job / "my_score.py").write_text("import config\n\n\ndef compute_score(data_source, solution_str, ground_truth, "
+                                     "extra_info=None):\n    return config.WEIGHT * len(solution_str)\n")
+    with RewardFunctionRunner(f"{job / 'my_score.py'}:compute_score", num_workers=1) as runner:
+        assert runner(["ab", "abcd"], ["x", "y"], ["p", "q"]) == ([1.0, 2.0], {"reward_fn/errors": 0,
+                                                                              "reward_fn/timeouts": 0})
+        assert runner.convention == "verl"
+    with pytest.raises(ValueError, match=re.escape(f"no file {job / 'absent.py'}")):
+        RewardFunctionRunner(f"{job / 'absent.py'}:compute_score")
+
+
+def test_a_reward_module_not_on_the_path_says_how_to_put_it_there():
+    from tasks.rewards import RewardFunctionRunner
+
+    with RewardFunctionRunner("no_such_reward_module:score", num_workers=1) as runner:
+        with pytest.raises(ValueError) as error:
+            runner(["a"], [None], [""])
+    assert "PYTHONPATH=that/folder" in str(error.value), error.value
+    assert "'path/to/no_such_reward_module.py:score'" in str(error.value), error.value
