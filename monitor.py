@@ -338,18 +338,24 @@ class MetricsLogger:
         self.wandb: WandbRun | None = None  # open_wandb, once the run knows whether it resumes
         self.run_dir = run_dir
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self.tb = None
-        if tensorboard:
+        # the TensorBoard writer is made at the first write (or truncate_after): a start refused before it (a resume
+        # check) leaves no event file behind
+        self.tensorboard, self.tb = tensorboard, None
+        self.start = time.time()
+
+    def _board(self, purge_step: int | None = None):
+        """The TensorBoard writer (None without TensorBoard), made on first use."""
+        if self.tb is None and self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=run_dir)
-        self.start = time.time()
+            self.tb = SummaryWriter(log_dir=self.run_dir, purge_step=purge_step)
+        return self.tb
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self.jsonl.flush()
-        if self.tb is not None:
+        if self._board() is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
@@ -376,10 +382,9 @@ class MetricsLogger:
                 f.writelines(kept)
         self.jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
         if self.tb is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tb.close()
-            self.tb = SummaryWriter(log_dir=self.run_dir, purge_step=step + 1)
+            self.tb = None
+        self._board(purge_step=step + 1)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """Every eval prompt's response and score, one JSON line per eval step (eval_samples.jsonl)."""
@@ -389,7 +394,7 @@ class MetricsLogger:
             self.wandb.samples(step, rows)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        if self.tb is not None:
+        if self._board() is not None:
             self.tb.add_text(tag, text, step)
 
     def console(self, step: int, total: int, metrics: dict[str, float], eta_s: float | None = None) -> None:

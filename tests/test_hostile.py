@@ -67,9 +67,11 @@ def test_a_refused_start_leaves_the_run_config_as_it_was(assets, tmp_path):  # n
     run, before = finished_run(assets, tmp_path, steps=1)
     written = (run / "config.yaml").read_bytes()
     # a protected key changed; the run already finished; the Prometheus port taken
-    changed = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+    everything = {k: v for k, v in snapshot(run).items() if k.name != "run.lock"}
+    # (with TensorBoard on: its event file must not appear either)
+    changed = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 2, "tensorboard": True},
                            data={"batch_size": 4}, actor={"optim": {"lr": 1e-2}})
-    finished = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
+    finished = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 1, "tensorboard": True},
                             actor={"optim": {"lr": 1e-2}})
     with socket.socket() as taken:
         taken.bind(("", 0))
@@ -84,6 +86,7 @@ def test_a_refused_start_leaves_the_run_config_as_it_was(assets, tmp_path):  # n
             assert "Traceback" not in proc.stderr, explain(proc)
             assert (run / "config.yaml").read_bytes() == written, f"{message}: config.yaml was rewritten"
             assert (snapshot(run / "checkpoints"), (run / "metrics.jsonl").read_text()) == before
+            assert {k: v for k, v in snapshot(run).items() if k.name != "run.lock"} == everything, message
 
 
 def test_a_key_given_twice_is_refused_in_data_and_on_the_command_line(assets, tmp_path):  # noqa: F811
