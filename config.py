@@ -134,7 +134,9 @@ class DataConfig:
     batch_size: int = 8  # prompts per step, over all data-parallel ranks of the actor pool
     eval_size: int = 0  # prompts taken from the start of each eval file; 0: all of them
     shuffle: bool = True
-    chat_template: bool | None = None  # null: template chat-message prompts only; true: text prompts too; false: never
+    # null: template chat-message prompts only; true: text prompts too; false: never; a string: a template (Jinja text,
+    # or a file holding it: TRL's chat_template_path) used instead of the tokenizer's, for every prompt
+    chat_template: bool | str | None = None
     system_prompt: str | None = None  # a system message first in every templated prompt that has none
     # offline: train on logged rollouts (files, or a folder such as runs/NAME/rollouts) instead of generating;
     # rows of prompt (or prompt_ids), response (or response_ids), score, optional logprobs and group (tasks/offline.py)
@@ -392,6 +394,7 @@ class QuickstartConfig:
     # for teacher_sft_steps on every train prompt
     teacher_hidden_size: int = 0
     teacher_sft_steps: int = 0
+    teacher_sft_lr: float = 1e-3  # a wider model wants a smaller step than the student's sft_lr
 
 
 @dataclass
@@ -705,6 +708,10 @@ def _coerce(tp, value, where: str):
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 2 and typing.get_origin(inner[1]) is list:  # X | list[X]: one value or a list of them
             return _coerce(inner[1] if isinstance(value, list) else inner[0], value, where)
+        if inner == [bool, str]:  # a switch, or a text in its place
+            if not isinstance(value, (bool, str)):
+                raise ConfigError(f"{where}={value!r}: expected true, false, null or a text")
+            return value
         assert len(inner) == 1, f"schema: only Optional[X] and X | list[X] unions are supported ({where})"
         return _coerce(inner[0], value, where)
     if origin is Literal:

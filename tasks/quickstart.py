@@ -30,7 +30,7 @@ def prepare_quickstart(qcfg, seed: int) -> dict[str, str]:
         files = write_addition_dataset(work, qcfg.n_train, qcfg.n_test, seed=seed, digits=tuple(qcfg.digits))
         records = load_sft_records(files["sft"])
         _sft_model(paths["model"], tokenizer, records[: max(1, int(len(records) * qcfg.sft_fraction))],
-                   qcfg.hidden_size, qcfg, qcfg.sft_steps, seed, os.path.join(work, "init"))
+                   qcfg.hidden_size, qcfg, qcfg.sft_steps, qcfg.sft_lr, seed, os.path.join(work, "init"))
         _mark(os.path.join(work, DONE), wanted)
     if qcfg.teacher_hidden_size:
         paths["teacher"] = os.path.join(work, "teacher")
@@ -38,7 +38,7 @@ def prepare_quickstart(qcfg, seed: int) -> dict[str, str]:
         if not _built(os.path.join(work, TEACHER_DONE), wanted):
             records = load_sft_records(os.path.join(work, "sft.jsonl"))
             _sft_model(paths["teacher"], build_char_tokenizer("0123456789+="), records, qcfg.teacher_hidden_size,
-                       qcfg, qcfg.teacher_sft_steps, seed)
+                       qcfg, qcfg.teacher_sft_steps, qcfg.teacher_sft_lr, seed)
             _mark(os.path.join(work, TEACHER_DONE), wanted)
     return paths
 
@@ -55,7 +55,7 @@ def _mark(marker: str, wanted: dict) -> None:  # written last: a build stopped h
         json.dump(wanted, f)
 
 
-def _sft_model(out: str, tokenizer, records: list, hidden: int, qcfg, steps: int, seed: int,
+def _sft_model(out: str, tokenizer, records: list, hidden: int, qcfg, steps: int, lr: float, seed: int,
                init: str | None = None) -> None:
     """A tiny model `hidden` wide (qcfg.num_layers deep), SFT'd for `steps` on `records`, saved with the tokenizer."""
     from roles.sft import encode_pairs, sft_train  # imports the model stack: keep tasks/ light to import
@@ -63,7 +63,7 @@ def _sft_model(out: str, tokenizer, records: list, hidden: int, qcfg, steps: int
     model = save_tiny_model(init or out, tokenizer, hidden_size=hidden, num_layers=qcfg.num_layers, num_heads=4,
                             num_kv_heads=2, intermediate_size=2 * hidden, max_position_embeddings=64, seed=seed)
     torch.manual_seed(seed)
-    sft_train(model, encode_pairs(records, tokenizer), steps, qcfg.sft_lr, qcfg.sft_batch_size, seed,
+    sft_train(model, encode_pairs(records, tokenizer), steps, lr, qcfg.sft_batch_size, seed,
               torch.device("cpu"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
