@@ -129,7 +129,7 @@ def test_base_file_is_read_first(tmp_path):
 
 
 def test_shipped_configs_load():
-    for name in ("quickstart.yaml", "quickstart_split.yaml"):
+    for name in ("quickstart.yaml", "quickstart_split.yaml", "distill_quickstart.yaml"):
         cfg = C.load_config(f"configs/{name}")
         C.check_ppo(cfg, 4 if "split" in name else 1)
     # the GSM8K example names files the user brings; its keys, types and placement must hold all the same

@@ -151,3 +151,26 @@ def test_a_teacher_in_its_own_pool_scores_as_a_colocated_one(assets, tmp_path): 
     for a, b in zip(colocated, apart, strict=True):
         for key in ("distill/reverse_kl", "reward/score/mean", "actor/pg_loss", "response_length/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+
+
+def test_the_quickstart_builds_its_teacher_once(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import config as C
+    from tasks.quickstart import prepare_quickstart
+
+    cfg = C.load_config("configs/distill_quickstart.yaml", [
+        f"quickstart.workdir={tmp_path}", "quickstart.n_train=40", "quickstart.n_test=8", "quickstart.hidden_size=16",
+        "quickstart.sft_steps=2", "quickstart.teacher_hidden_size=32", "quickstart.teacher_sft_steps=2"])
+    paths = prepare_quickstart(cfg.quickstart, 0)
+    student = AutoModelForCausalLM.from_pretrained(paths["model"])
+    teacher = AutoModelForCausalLM.from_pretrained(paths["teacher"])
+    assert (student.config.hidden_size, teacher.config.hidden_size) == (16, 32)
+    assert student.config.vocab_size == teacher.config.vocab_size
+    built = {name: (tmp_path / name / "model.safetensors").stat().st_mtime_ns for name in ("sft", "teacher")}
+    prepare_quickstart(cfg.quickstart, 0)  # built already: nothing is redone
+    assert built == {name: (tmp_path / name / "model.safetensors").stat().st_mtime_ns for name in ("sft", "teacher")}
+    cfg.quickstart.teacher_sft_steps = 3  # another teacher: only the teacher is rebuilt
+    prepare_quickstart(cfg.quickstart, 0)
+    assert (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns == built["sft"]
+    assert (tmp_path / "teacher" / "model.safetensors").stat().st_mtime_ns != built["teacher"]
