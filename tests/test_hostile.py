@@ -59,6 +59,12 @@ def test_the_run_folder_must_be_usable_and_the_port_valid(assets, tmp_path):  # 
         with pytest.raises(C.ConfigError, match=r"checkpoints is not writable by this user, so the run could resume"):
             C.check_ppo(C.load_config(cfg), 1)
     C.check_ppo(C.load_config(cfg), 1)
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:  # else run.wandb=true is refused for that first
+        (tmp_path / "runs" / "t" / "wandb").write_text("x")
+        with pytest.raises(C.ConfigError, match=r"wandb \(where W&B writes\) is a file"):
+            C.check_ppo(C.load_config(cfg, ["run.wandb=true"]), 1)
     proc = run_python(["train_ppo.py", "--config", cfg, f"run.output_dir={tmp_path / 'a_file'}"], timeout=120)
     assert proc.returncode == 2 and "config error: run.output_dir=" in proc.stderr, explain(proc)
 
