@@ -74,9 +74,12 @@ class Reward:
             return None
         for runner, _, _ in self.functions:
             for where, record in samples:
+                response = record["ground_truth"] or ""
+                extras = {"messages": record.get("messages"),
+                          "completion_ids": self.tokenizer(response, add_special_tokens=False)["input_ids"]}
                 try:
-                    runner.check(record["ground_truth"] or "", record["ground_truth"], record["prompt_text"],
-                                 record["columns"], where)
+                    runner.check(response, record["ground_truth"], record["prompt_text"], record["columns"], where,
+                                 extras)
                 except ValueError as e:
                     return str(e)
         return None
@@ -135,13 +138,17 @@ class Reward:
             truths = [r["ground_truth"] for r in picked]
             prompts = [r["prompt_text"] for r in picked]
             columns = [r.get("columns", {}) for r in picked]
+            ids, lens = batch["response_ids"].tolist(), batch["response_len"].tolist()
+            extras = [{"messages": r.get("messages"), "completion_ids": row[:n]}
+                      for r, row, n in zip(picked, ids, lens)]
             total = torch.zeros(len(texts), dtype=torch.float32)
             sums = {}
             for runner, weight, spec in self.functions:
-                values, stats = runner(texts, truths, prompts, columns)
+                values, stats = runner(texts, truths, prompts, columns, extras)
                 failed |= runner.last_failed
                 first_error = first_error or (f"{spec}: {runner.last_error}" if runner.last_error else None)
-                values = torch.tensor(values, dtype=torch.float32)
+                # a TRL-style function's None (NaN here): that function adds nothing to the sample's reward
+                values = torch.tensor(values, dtype=torch.float32).nan_to_num(0.0)
                 total += weight * values
                 sums[f"reward/fn/{spec}/mean"] = float(values.sum())
                 for key, count in stats.items():

@@ -224,14 +224,38 @@ def text_chars(value: object) -> int:
     return 0
 
 
-def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase, chat_template: bool | None = None,
+def is_template_text(value: str) -> bool:
+    """A data.chat_template string is Jinja text when it has a tag; otherwise it names a file holding one."""
+    return "{%" in value or "{{" in value
+
+
+def chat_template_text(value: str) -> str:
+    """The Jinja text a data.chat_template string gives: itself, or the file it names (TRL's chat_template_path)."""
+    if is_template_text(value):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"data.chat_template={value!r}: not a template (no {{% or {{{{) and no file to read one "
+                         f"from ({e.strerror})") from None
+
+
+NO_TEMPLATE = ("give one with data.chat_template (Jinja text, or a file holding it: TRL's chat_template_path), or "
+               "give prompts as text")
+
+
+def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase,
+                   chat_template: bool | str | None = None,
                    system_prompt: str | None = None) -> tuple[list[str], list[list[int]]]:
     """(rendered text, token ids) of each record's "prompt" (text or chat messages), templated as PromptDataset's
     docstring says; train_sft.py and train_rm.py encode their prompts with it too, so a model fine-tuned or scored
     there sees the prompts train_ppo.py generates from."""
-    has_template = getattr(tokenizer, "chat_template", None) is not None
+    template = chat_template_text(chat_template) if isinstance(chat_template, str) else None
+    chat_template = True if template is not None else chat_template  # a template given: every prompt goes through it
+    has_template = template is not None or getattr(tokenizer, "chat_template", None) is not None
     if chat_template and not has_template:
-        raise ValueError("chat_template=True but the tokenizer has no chat template; set one or pass None/False")
+        raise ValueError(f"data.chat_template=true but the tokenizer has no chat template; {NO_TEMPLATE}")
 
     prompt_texts, templated = [], []
     for i, record in enumerate(records):
@@ -247,15 +271,14 @@ def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase, chat
         if chat_template is False:
             raise ValueError(f"{where}: the prompt is a list of chat messages but chat_template=False")
         if not has_template:
-            raise ValueError(
-                f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
-                "set tokenizer.chat_template or give prompts as text"
-            )
+            raise ValueError(f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
+                             f"{NO_TEMPLATE}")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if system_prompt is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system_prompt}, *messages]
         try:
-            prompt_texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            prompt_texts.append(tokenizer.apply_chat_template(messages, chat_template=template,
+                                                              add_generation_prompt=True, tokenize=False))
         except Exception as e:  # the template's own checks (raise_exception): an unknown role, a bad order
             raise ValueError(f"{where}: the tokenizer's chat template refused this prompt (roles "
                              f"{[m.get('role') for m in messages]}): {e}") from e
@@ -279,7 +302,8 @@ class PromptDataset:
     "columns": dict}`.
 
     `chat_template`: None applies the tokenizer's chat template to message prompts and tokenises text as is; True
-    also wraps text prompts as one user message; False refuses message prompts. Templated prompts end with the
+    also wraps text prompts as one user message; False refuses message prompts; a string is a template (Jinja text,
+    or a file holding it) used instead of the tokenizer's, as True. Templated prompts end with the
     generation prompt (the assistant header). Text prompts get the tokenizer's own special tokens (e.g. a bos).
     `system_prompt`: a system message put first in every templated prompt that has none (text prompts must then be
     templated: chat_template=True).
@@ -291,7 +315,7 @@ class PromptDataset:
         records: list[dict],
         tokenizer: PreTrainedTokenizerBase,
         max_prompt_len: int,
-        chat_template: bool | None = None,
+        chat_template: bool | str | None = None,
         system_prompt: str | None = None,
     ):
         if max_prompt_len < 1:
@@ -314,6 +338,8 @@ class PromptDataset:
                         "prompt_ids": prompt_ids[i],
                         "ground_truth": record.get("ground_truth"),
                         "prompt_text": prompt_texts[i],
+                        # chat messages as given (TRL-style rewards get them as `prompts`), None for a text prompt
+                        "messages": record["prompt"] if isinstance(record["prompt"], list) else None,
                         "columns": record.get("columns", {}),
                         "file": record.get("file", 0),
                     }

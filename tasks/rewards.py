@@ -169,34 +169,50 @@ def reward_convention(function: Callable, spec: str) -> str:
     return "meshrl"
 
 
-def bind_reward(function: Callable, convention: str) -> Callable[[str, str | None, str, dict], object]:
-    """`call(response, ground_truth, prompt, columns)`: one sample's reward under `convention` (columns: the sample's
-    other data columns by name). The keywords a TRL or verl function accepts are read once, here, not per sample."""
+def bind_reward(function: Callable, convention: str) -> Callable[..., object]:
+    """`call(response, ground_truth, prompt, columns, extras=None)`: one sample's reward under `convention` (columns:
+    the sample's other data columns by name; extras: "messages", the prompt's chat messages when it was given as
+    such, and "completion_ids", the response's token ids, for TRL's functions). The keywords a TRL or verl function
+    accepts are read once, here, not per sample."""
     if convention == "meshrl":
-        return lambda response, ground_truth, prompt, columns: function(response, ground_truth, prompt)
+        return lambda response, ground_truth, prompt, columns, extras=None: function(response, ground_truth, prompt)
     accepted = inspect.signature(function).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
 
     def keywords(given: dict) -> dict:
         return {k: v for k, v in given.items() if takes_all or k in accepted}
 
-    def verl(response, ground_truth, prompt, columns):
+    def verl(response, ground_truth, prompt, columns, extras=None):
         out = function(**keywords({"data_source": columns.get("data_source"), "solution_str": response,
                                    "ground_truth": ground_truth, "extra_info": columns.get("extra_info")}))
         return out["score"] if isinstance(out, dict) else out
 
-    def trl(response, ground_truth, prompt, columns):
-        given = {**{k: [v] for k, v in columns.items()}, "ground_truth": [ground_truth], "prompts": [prompt]}
-        out = function([response], **keywords(given))
+    def trl(response, ground_truth, prompt, columns, extras=None):
+        extras = extras or {}
+        messages = extras.get("messages")
+        given = {**{k: [v] for k, v in columns.items()}, "ground_truth": [ground_truth],
+                 "prompts": [prompt if messages is None else messages]}
+        if extras.get("completion_ids") is not None:
+            given["completion_ids"] = [extras["completion_ids"]]
+        # conversational data gets TRL's conversational completions: c[0]["content"]
+        completion = response if messages is None else [{"role": "assistant", "content": response}]
+        out = function([completion], **keywords(given))
         if not isinstance(out, (list, tuple)) or len(out) != 1:
             raise TypeError(f"a TRL-style reward function returns one score per completion; for one it returned "
                             f"{out!r:.200}")
-        return out[0]
+        return NOT_APPLICABLE if out[0] is None else out[0]
 
     return verl if convention == "verl" else trl
 
 
+# what a TRL-style function's None (TRL: "this function does not apply to this sample") becomes: no part of the
+# sample's reward, not an error
+NOT_APPLICABLE = float("nan")
+
+
 def _as_score(value: object) -> float:
+    if value is NOT_APPLICABLE:
+        return value
     if not isinstance(value, numbers.Real):
         raise TypeError(f"the reward function returned {value!r:.200} ({type(value).__name__}), not a number")
     score = float(value)
@@ -284,9 +300,9 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             return
         if task is None:
             return
-        index, response, ground_truth, prompt, columns = task
+        index, response, ground_truth, prompt, columns, extras = task
         try:
-            score = _as_score(call(response, ground_truth, prompt, columns))
+            score = _as_score(call(response, ground_truth, prompt, columns, extras))
         except Exception:
             conn.send(("failed", index, traceback.format_exc()))
         else:
@@ -383,10 +399,13 @@ class RewardFunctionRunner:
 
     def __call__(
         self, responses: Sequence[str], ground_truths: Sequence[str | None], prompts: Sequence[str],
-        columns: Sequence[dict] | None = None,
+        columns: Sequence[dict] | None = None, extras: Sequence[dict | None] | None = None,
     ) -> tuple[list[float], dict[str, int]]:
-        """Scores of the items; columns: each item's other data columns (for TRL- and verl-style functions)."""
+        """Scores of the items; columns: each item's other data columns (for TRL- and verl-style functions); extras:
+        each item's chat messages and response token ids (for TRL-style ones: bind_reward). A TRL-style function's
+        None scores NaN (NOT_APPLICABLE): no part of the item's reward, and no failure."""
         columns = columns if columns is not None else [{}] * len(responses)
+        extras = extras if extras is not None else [None] * len(responses)
         if not len(responses) == len(ground_truths) == len(prompts) == len(columns):
             raise ValueError(
                 f"got {len(responses)} responses, {len(ground_truths)} ground truths, {len(prompts)} prompts and "
@@ -408,7 +427,7 @@ class RewardFunctionRunner:
                     index = todo.popleft()
                     try:
                         worker.conn.send((index, responses[index], ground_truths[index], prompts[index],
-                                          columns[index]))
+                                          columns[index], extras[index]))
                     except OSError:  # the worker died while idle
                         todo.appendleft(index)
                         self._replace(slot)
@@ -482,11 +501,12 @@ class RewardFunctionRunner:
         self._replace(slot)
         return int(busy)
 
-    def check(self, response: str, ground_truth: str | None, prompt: str, columns: dict, where: str) -> None:
+    def check(self, response: str, ground_truth: str | None, prompt: str, columns: dict, where: str,
+              extras: dict | None = None) -> None:
         """One call on one sample before training: ValueError naming `where` and with the traceback when it fails,
         returns something that is not a finite number, or times out."""
         try:
-            self([response], [ground_truth], [prompt], [columns])
+            self([response], [ground_truth], [prompt], [columns], [extras])
         except Exception as e:  # a builtin runs inline and raises here
             raise ValueError(f"reward function {self.spec!r} failed its start-up call on {where}: {e}") from e
         if self.last_failed:

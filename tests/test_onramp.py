@@ -4,6 +4,7 @@ the shipped GRPO example and TRL/verl key names. Real runs of train_ppo.py on th
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -228,3 +229,68 @@ def test_a_reward_module_not_on_the_path_says_how_to_put_it_there():
             runner(["a"], [None], [""])
     assert "PYTHONPATH=that/folder" in str(error.value), error.value
     assert "'path/to/no_such_reward_module.py:score'" in str(error.value), error.value
+
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+def test_a_chat_template_given_as_text_or_a_file_and_trl_rewards_on_conversational_data(assets, tmp_path):  # noqa: F811
+    """data.chat_template as Jinja text or a file (TRL's chat_template_path), for a tokenizer without one; without
+    it, the error names the key. A real run on chat-message prompts with the file, scored by a TRL-style function
+    for conversational data."""
+    from tasks.char_tokenizer import build_char_tokenizer
+    from tasks.data import render_prompts
+
+    tokenizer = build_char_tokenizer("0123456789+=")
+    (tmp_path / "template.jinja").write_text(TEMPLATE)
+    records = [{"prompt": [{"role": "user", "content": "1+2"}]}, {"prompt": "3+4"}]
+    for given in (TEMPLATE, str(tmp_path / "template.jinja")):
+        texts, ids = render_prompts(records, tokenizer, given)
+        assert texts == ["1+2=", "3+4="] and ids[0] == tokenizer("1+2=", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="no chat template; give one with data.chat_template"):
+        render_prompts(records[:1], tokenizer)
+    with pytest.raises(ValueError, match="not a template"):
+        render_prompts(records, tokenizer, str(tmp_path / "absent.jinja"))
+
+    chat = {}
+    for split in ("train", "test"):
+        chat[split] = tmp_path / f"chat_{split}.jsonl"
+        chat[split].write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"][:-1]}],
+                                                   "ground_truth": r["ground_truth"]}) + "\n"
+                                       for r in map(json.loads, (assets / f"{split}.jsonl").read_text().splitlines())))
+    # scored by a TRL-style function written for conversational data (as TRL calls it: c[0]["content"], the prompts
+    # as messages, completion_ids), which finds one prompt in ten not its business (None)
+    (tmp_path / "conv_reward.py").write_text(CONVERSATIONAL_REWARD)
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+                       data={"train_path": str(chat["train"]), "eval_path": str(chat["test"]),
+                             "chat_template": str(tmp_path / "template.jinja")},
+                       reward={"functions": [{"spec": "conv_reward:score"}]})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, PYTHONPATH=str(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    assert all(r.get("reward_fn/errors", 0) == 0 for r in rows) and 0 < rows[1]["reward/score/mean"] < 1, rows[1]
+
+
+CONVERSATIONAL_REWARD = """
+def score(completions, prompts, completion_ids, ground_truth, **columns):
+    out = []
+    for c, p, ids, truth in zip(completions, prompts, completion_ids, ground_truth):
+        assert c[0]["role"] == "assistant" and p[0]["role"] == "user" and all(isinstance(t, int) for t in ids)
+        text = c[0]["content"]
+        out.append(None if p[0]["content"].startswith("9") else text.count("1") / max(len(text), 1))
+    return out
+"""
+
+
+def test_a_trl_function_gets_conversational_completions_and_its_none_is_no_error(tmp_path):
+    from tasks.rewards import RewardFunctionRunner
+
+    (tmp_path / "conv_reward.py").write_text(CONVERSATIONAL_REWARD)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with RewardFunctionRunner("conv_reward:score", num_workers=1) as runner:
+            extras = [{"messages": [{"role": "user", "content": p}], "completion_ids": [1, 1]} for p in ("1+2", "9+9")]
+            scores, stats = runner(["11", "12"], ["3", "18"], ["1+2=", "9+9="], [{}, {}], extras)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert scores[0] == 1.0 and math.isnan(scores[1]) and stats["reward_fn/errors"] == 0 and not runner.last_failed

@@ -231,12 +231,12 @@ def test_prompt_dataset_chat_template_switch():
     chat_records = [{"prompt": [{"role": "user", "content": "1+2="}], "ground_truth": "3"}]
     with pytest.raises(ValueError, match="no chat template"):
         PromptDataset(chat_records, tokenizer, max_prompt_len=100)
-    with pytest.raises(ValueError, match="chat_template=True but the tokenizer has no chat template"):
+    with pytest.raises(ValueError, match="chat_template=true but the tokenizer has no chat template"):
         PromptDataset(text_records, tokenizer, max_prompt_len=100, chat_template=True)
 
     tokenizer.chat_template = CHAT_TEMPLATE
     wrapped = PromptDataset(text_records, tokenizer, max_prompt_len=100, chat_template=True)
-    assert wrapped[0] == PromptDataset(chat_records, tokenizer, max_prompt_len=100)[0]
+    assert wrapped[0] == {**PromptDataset(chat_records, tokenizer, max_prompt_len=100)[0], "messages": None}
     assert PromptDataset(text_records, tokenizer, max_prompt_len=100)[0]["prompt_text"] == "1+2="
     with pytest.raises(ValueError, match="chat_template=False"):
         PromptDataset(chat_records, tokenizer, max_prompt_len=100, chat_template=False)
