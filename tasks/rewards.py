@@ -2,12 +2,13 @@
 
 Three conventions are accepted, told apart by the function's signature (see `reward_convention`):
 - meshrl's per-sample `f(response: str, ground_truth: str | None, prompt: str) -> float`;
-- TRL's batched `f(completions: list[str], prompts=..., **columns) -> list[float]`, called with one sample at a time
-  (so a timeout or an error costs one sample), every data column as a keyword list (`ground_truth` under its column
-  name, `data_source`, anything the file has);
+- TRL's batched `f(completions: list[str], prompts=..., **columns) -> list[float | None]`, called once per worker
+  with its share of the step's samples (a timeout or an error costs that share), every data column as a keyword list
+  (`ground_truth` under its column name, `data_source`, anything the file has), `completion_ids`, and on chat
+  prompts the messages as `prompts` and conversational completions; None: the function does not apply (TRL's);
 - verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict` (a dict's "score").
 `prompt` is the prompt as the model saw it (chat template applied). Name one with a spec: "gsm8k", "exact_match",
-or "module.path:function" for a user function importable from this process's sys.path.
+"module.path:function" for a user function importable from this process's sys.path, or "path/to/file.py:function".
 
 This module imports only the standard library, so the spawned workers that import it start fast.
 """
@@ -169,38 +170,42 @@ def reward_convention(function: Callable, spec: str) -> str:
     return "meshrl"
 
 
-def bind_reward(function: Callable, convention: str) -> Callable[..., object]:
-    """`call(response, ground_truth, prompt, columns, extras=None)`: one sample's reward under `convention` (columns:
-    the sample's other data columns by name; extras: "messages", the prompt's chat messages when it was given as
-    such, and "completion_ids", the response's token ids, for TRL's functions). The keywords a TRL or verl function
-    accepts are read once, here, not per sample."""
+def bind_reward(function: Callable, convention: str) -> Callable[..., list]:
+    """`call(responses, ground_truths, prompts, columns, extras)`: the rewards of a chunk of samples under
+    `convention`, one per sample (columns: each sample's other data columns by name; extras: "messages", the prompt's
+    chat messages when it was given as such, and "completion_ids", the response's token ids, for TRL's functions).
+    A TRL-style function gets the whole chunk in one call, as TRL calls it; the others one sample at a time. The
+    keywords a TRL or verl function accepts are read once, here, not per sample."""
     if convention == "meshrl":
-        return lambda response, ground_truth, prompt, columns, extras=None: function(response, ground_truth, prompt)
+        return lambda responses, ground_truths, prompts, columns, extras: [
+            function(*args) for args in zip(responses, ground_truths, prompts)]
     accepted = inspect.signature(function).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
 
     def keywords(given: dict) -> dict:
         return {k: v for k, v in given.items() if takes_all or k in accepted}
 
-    def verl(response, ground_truth, prompt, columns, extras=None):
-        out = function(**keywords({"data_source": columns.get("data_source"), "solution_str": response,
-                                   "ground_truth": ground_truth, "extra_info": columns.get("extra_info")}))
-        return out["score"] if isinstance(out, dict) else out
+    def verl(responses, ground_truths, prompts, columns, extras):
+        outs = [function(**keywords({"data_source": c.get("data_source"), "solution_str": response,
+                                     "ground_truth": ground_truth, "extra_info": c.get("extra_info")}))
+                for response, ground_truth, c in zip(responses, ground_truths, columns)]
+        return [out["score"] if isinstance(out, dict) else out for out in outs]
 
-    def trl(response, ground_truth, prompt, columns, extras=None):
-        extras = extras or {}
-        messages = extras.get("messages")
-        given = {**{k: [v] for k, v in columns.items()}, "ground_truth": [ground_truth],
-                 "prompts": [prompt if messages is None else messages]}
-        if extras.get("completion_ids") is not None:
-            given["completion_ids"] = [extras["completion_ids"]]
+    def trl(responses, ground_truths, prompts, columns, extras):
+        extras = [e or {} for e in extras]
+        names = dict.fromkeys(k for c in columns for k in c)
+        given = {**{k: [c.get(k) for c in columns] for k in names}, "ground_truth": list(ground_truths),
+                 "prompts": [p if e.get("messages") is None else e["messages"] for p, e in zip(prompts, extras)]}
+        if all(e.get("completion_ids") is not None for e in extras):
+            given["completion_ids"] = [e["completion_ids"] for e in extras]
         # conversational data gets TRL's conversational completions: c[0]["content"]
-        completion = response if messages is None else [{"role": "assistant", "content": response}]
-        out = function([completion], **keywords(given))
-        if not isinstance(out, (list, tuple)) or len(out) != 1:
-            raise TypeError(f"a TRL-style reward function returns one score per completion; for one it returned "
-                            f"{out!r:.200}")
-        return NOT_APPLICABLE if out[0] is None else out[0]
+        completions = [r if e.get("messages") is None else [{"role": "assistant", "content": r}]
+                       for r, e in zip(responses, extras)]
+        out = function(completions, **keywords(given))
+        if not isinstance(out, (list, tuple)) or len(out) != len(completions):
+            raise TypeError(f"a TRL-style reward function returns one score per completion; for "
+                            f"{len(completions)} it returned {out!r:.200}")
+        return [NOT_APPLICABLE if v is None else v for v in out]
 
     return verl if convention == "verl" else trl
 
@@ -274,8 +279,8 @@ def _forget_meshrl_modules() -> None:
 
 
 def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
-    """Worker loop: load the function, say "ready", then score (index, response, ground_truth, prompt) tasks until
-    a None task or the parent's end of the pipe closes."""
+    """Worker loop: load the function, say "ready", then score (indices, responses, ground_truths, prompts, columns,
+    extras) chunks until a None task or the parent's end of the pipe closes."""
     # Ctrl-C reaches the whole process group; the parent decides how to shut down, the workers just get stopped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # a group of its own, which the processes the user's module starts join: stop() and the parent's end take it all
@@ -300,13 +305,13 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             return
         if task is None:
             return
-        index, response, ground_truth, prompt, columns, extras = task
+        indices, chunk = task[0], task[1:]
         try:
-            score = _as_score(call(response, ground_truth, prompt, columns, extras))
+            scores = [_as_score(v) for v in call(*chunk)]
         except Exception:
-            conn.send(("failed", index, traceback.format_exc()))
+            conn.send(("failed", indices, traceback.format_exc()))
         else:
-            conn.send(("scored", index, score))
+            conn.send(("scored", indices, scores))
 
 
 _MAIN_HIDDEN_LOCK = threading.Lock()
@@ -334,7 +339,7 @@ def _main_script_hidden(spec: str):
 
 
 class _Worker:
-    """One spawned process that scores one item at a time over a pipe."""
+    """One spawned process that scores one chunk of items at a time over a pipe."""
 
     def __init__(self, context, spec: str):
         self.conn, child_conn = context.Pipe()
@@ -347,11 +352,11 @@ class _Worker:
             self.process.start()
         child_conn.close()  # so that recv() here raises EOFError once the worker exits
         self.ready = False
-        self.index: int | None = None
-        self.deadline = time.monotonic() + START_TIMEOUT_S  # until ready; then the deadline of the item in hand
+        self.indices: list[int] | None = None  # the chunk in hand
+        self.deadline = time.monotonic() + START_TIMEOUT_S  # until ready; then the deadline of the chunk in hand
 
     def stop(self) -> None:
-        if self.index is None:
+        if self.indices is None:
             try:
                 self.conn.send(None)
             except OSError:
@@ -371,7 +376,8 @@ class RewardFunctionRunner:
     """Scores batches with a reward function; user functions run in `num_workers` spawned processes.
 
     Builtins run in this process. A user function that raises, returns a non-finite or non-numeric value, or runs
-    longer than `timeout_s` on one item scores 0.0 for that item; its worker is killed and replaced after a timeout.
+    longer than `timeout_s` per item on its chunk (one item, or a TRL-style function's share) scores 0.0 for the
+    chunk's items; its worker is killed and replaced after a timeout.
     Failures are counted per call in the stats ("reward_fn/errors", "reward_fn/timeouts"); only the first traceback
     and the first timeout are logged. Workers use the "spawn" start method (fork is unsafe once torch has started
     threads) without running the main script (_main_script_hidden), except for a function defined there
@@ -421,19 +427,23 @@ class RewardFunctionRunner:
         scores = [0.0] * len(responses)
         todo = deque(range(len(responses)))
         n_left = len(responses)
+        # a TRL-style function takes a chunk per worker in one call (batched judges keep their batching); the others
+        # one item at a time, so that an error or a timeout costs one item
+        per_chunk = -(-len(responses) // len(self._workers))
         while n_left:
             for slot, worker in enumerate(self._workers):
-                if todo and worker.ready and worker.index is None:
-                    index = todo.popleft()
+                if todo and worker.ready and worker.indices is None:
+                    size = min(len(todo), per_chunk if self.convention == "trl" else 1)
+                    chunk = [todo.popleft() for _ in range(size)]
                     try:
-                        worker.conn.send((index, responses[index], ground_truths[index], prompts[index],
-                                          columns[index], extras[index]))
+                        worker.conn.send((chunk, *([part[i] for i in chunk] for part in
+                                                   (responses, ground_truths, prompts, columns, extras))))
                     except OSError:  # the worker died while idle
-                        todo.appendleft(index)
+                        todo.extendleft(reversed(chunk))
                         self._replace(slot)
                         continue
-                    worker.index, worker.deadline = index, time.monotonic() + self.timeout_s
-            deadlines = [w.deadline for w in self._workers if w.index is not None or not w.ready]
+                    worker.indices, worker.deadline = chunk, time.monotonic() + self.timeout_s * len(chunk)
+            deadlines = [w.deadline for w in self._workers if w.indices is not None or not w.ready]
             wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             readable = wait([w.conn for w in self._workers], timeout=wait_s)
             for slot, worker in enumerate(self._workers):
@@ -445,24 +455,25 @@ class RewardFunctionRunner:
                     self.close()
                     raise ValueError(f"a reward worker for {self.spec!r} did not start within {START_TIMEOUT_S} s "
                                      "(importing its module hangs?)")
-                elif worker.index is not None:
-                    stats["reward_fn/timeouts"] += 1
-                    self.last_failed.add(worker.index)
+                elif worker.indices is not None:
+                    stats["reward_fn/timeouts"] += len(worker.indices)
+                    self.last_failed.update(worker.indices)
+                    n_left -= len(worker.indices)
                     self.last_error = self.last_error or f"timed out after timeout_s={self.timeout_s} s"
                     if not self._logged_timeout:
                         self._logged_timeout = True
                         logger.warning(
-                            "reward function %s ran longer than timeout_s=%s on one item; scored 0.0 and restarted "
-                            "its worker. Later timeouts are counted in reward_fn/timeouts, not logged.",
+                            "reward function %s ran longer than timeout_s=%s per item (on a chunk of %d); scored 0.0 "
+                            "and restarted its worker. Later timeouts are counted in reward_fn/timeouts, not logged.",
                             self.spec,
                             self.timeout_s,
+                            len(worker.indices),
                         )
                     self._replace(slot)
-                    n_left -= 1
         return scores, stats
 
     def _receive(self, slot: int, scores: list[float], stats: dict[str, int]) -> int:
-        """Handle one message from a worker; returns how many items it finished (0 or 1)."""
+        """Handle one message from a worker; returns how many items it finished."""
         worker = self._workers[slot]
         try:
             message = worker.conn.recv()
@@ -475,15 +486,16 @@ class RewardFunctionRunner:
         if kind == "init_error":
             self.close()
             raise ValueError(f"reward function {self.spec!r} could not be loaded in its worker process:\n{message[1]}")
-        _, index, payload = message
-        assert index == worker.index, (index, worker.index)
-        worker.index = None
+        _, indices, payload = message
+        assert indices == worker.indices, (indices, worker.indices)
+        worker.indices = None
         if kind == "scored":
-            scores[index] = payload
+            for index, score in zip(indices, payload):
+                scores[index] = score
         else:
-            self.last_failed.add(index)
-            self._record_error(stats, payload)
-        return 1
+            self.last_failed.update(indices)
+            self._record_error(stats, payload, len(indices))
+        return len(indices)
 
     def _worker_exited(self, slot: int, stats: dict[str, int]) -> int:
         worker = self._workers[slot]
@@ -494,12 +506,13 @@ class RewardFunctionRunner:
                 f"a reward worker for {self.spec!r} exited with code {worker.process.exitcode} while starting "
                 "(its module exits on import?)"
             )
-        busy = worker.index is not None
+        busy = worker.indices or []
         if busy:
-            self.last_failed.add(worker.index)
-            self._record_error(stats, f"the worker process exited with code {worker.process.exitcode} while scoring")
+            self.last_failed.update(busy)
+            self._record_error(stats, f"the worker process exited with code {worker.process.exitcode} while scoring",
+                               len(busy))
         self._replace(slot)
-        return int(busy)
+        return len(busy)
 
     def check(self, response: str, ground_truth: str | None, prompt: str, columns: dict, where: str,
               extras: dict | None = None) -> None:
@@ -513,9 +526,9 @@ class RewardFunctionRunner:
             raise ValueError(f"reward function {self.spec!r} ({self.convention} convention) failed its start-up "
                              f"call on {where} (response {response!r:.80}):\n{self.last_error}")
 
-    def _record_error(self, stats: dict[str, int], description: str) -> None:
+    def _record_error(self, stats: dict[str, int], description: str, items: int = 1) -> None:
         self.last_error = self.last_error or description
-        stats["reward_fn/errors"] += 1
+        stats["reward_fn/errors"] += items
         if not self._logged_error:
             self._logged_error = True
             logger.error(

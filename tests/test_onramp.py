@@ -294,3 +294,25 @@ def test_a_trl_function_gets_conversational_completions_and_its_none_is_no_error
     finally:
         sys.path.remove(str(tmp_path))
     assert scores[0] == 1.0 and math.isnan(scores[1]) and stats["reward_fn/errors"] == 0 and not runner.last_failed
+
+
+BATCHED_REWARD = """
+def score(completions, source=None, **columns):
+    # the chunk's size, and each row's own column (None where a row has none)
+    return [len(completions) + (0.5 if s is None else 0.0) for s in source]
+"""
+
+
+def test_a_trl_function_is_called_once_per_worker_with_its_share_of_the_batch(tmp_path):
+    from tasks.rewards import RewardFunctionRunner
+
+    (tmp_path / "batched_reward.py").write_text(BATCHED_REWARD)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with RewardFunctionRunner("batched_reward:score", num_workers=2) as runner:
+            columns = [{"source": "a"}, {}, {"source": "b"}, {"source": "c"}, {"source": "d"}, {"source": "e"}]
+            scores, stats = runner(["x"] * 6, [None] * 6, ["p"] * 6, columns)
+            assert runner.convention == "trl"
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert scores == [3.0, 3.5, 3.0, 3.0, 3.0, 3.0] and stats["reward_fn/errors"] == 0
