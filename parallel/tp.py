@@ -1,8 +1,11 @@
-"""Tensor-parallel plans for the Llama / Qwen2 families (causal LM, and the token/sequence-classification heads).
+"""Tensor-parallel plans for the decoder families (Llama, Qwen2/3, Mistral, SmolLM3, Gemma 3: causal LM, and the
+token/sequence-classification heads).
 
 Megatron-style: q/k/v and gate/up are split by output features (ColwiseParallel), o and down by input features
 (RowwiseParallel), so each rank holds whole attention heads and one all-reduce per block joins the partial sums.
-Embeddings, norms and heads stay replicated: the logits (and values, scores) come out whole on every tp rank.
+Embeddings, norms and heads stay replicated: the logits (and values, scores) come out whole on every tp rank. Per-head
+q/k norms (Qwen3, Gemma 3) stay replicated too, each rank norming its own whole heads; a q/k norm over the whole
+projection (OLMo 2) would norm each rank's share alone, so those models are refused.
 Apply before FSDP (2-D: tp inside a node, dp_shard across).
 """
 
@@ -21,6 +24,8 @@ LAYER_PLAN = {
     "mlp.up_proj": ColwiseParallel,
     "mlp.down_proj": RowwiseParallel,
 }
+# model types whose q/k RMSNorm spans every head of the projection: a column split cannot keep it
+WHOLE_PROJECTION_QK_NORM = ("olmo2",)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -39,6 +44,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard the attention and MLP projections of every block over `tp_mesh` (1-D), in place."""
     if tp_mesh.size() == 1:
         return model
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in WHOLE_PROJECTION_QK_NORM:
+        raise ValueError(f"tensor parallelism: model_type {model_type!r} norms q and k over all heads at once, which a "
+                         "split by heads cannot compute; set tp to 1 for it (FSDP2 shards it)")
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, {name: style() for name, style in LAYER_PLAN.items()})
     return model

@@ -1,4 +1,9 @@
-"""A compact forward for Llama / Qwen2-family decoders that reads the Hugging Face module's parameters in place.
+"""A compact forward for decoder-only transformers that reads the Hugging Face module's parameters in place.
+
+What differs between families (Llama, Qwen2/3, Mistral, OLMo 2, SmolLM3, Gemma 3: norm placement and arithmetic, q/k
+norms, activation, rotary table and attention window per layer, scalings, weight names) comes from the family's
+description in rollout/families.py: read_weights turns a model into family-agnostic LayerWeights (a norm the family
+does not have is None), a Form (model-wide numerics) and a LayerSpec per layer, which is all these functions read.
 
 The slot engine (rollout/slots.py) runs prefill and decode through these functions against its own KV cache. The HF
 modules are never called, so FSDP2's hooks do not run either: the engine unshards once per rollout and reads the
@@ -6,8 +11,9 @@ full tensors that FSDP2 swaps into the modules. Tensor-parallel parameters (DTen
 read as their local shards: q/k/v and gate/up hold whole heads / rows of this rank, and the row-parallel o/down
 projections give partial sums that `reduce` adds up over the tp group, as RowwiseParallel does in training.
 
-Numerics follow the HF modules step for step (norms in float32, rotary tables cast to the model dtype, residual sums
-in the model dtype), so greedy decoding in float32 matches HF `generate` token for token.
+Numerics follow the HF modules step for step (norms in float32, rotary tables cast to the model dtype unless the
+family rotates in float32, residual sums in the model dtype), so greedy decoding in float32 matches HF `generate`
+token for token.
 """
 
 from __future__ import annotations
@@ -21,12 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from rollout.families import ACTIVATIONS, FAMILIES, family_of, parameter, unsupported_reason
 from rollout.kernels import decode_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-# Rotary variants whose inverse frequencies the HF rotary module fixes at init; the dynamic ones (NTK, longrope)
-# change them with the sequence length, which this forward does not do.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+__all__ = ["FAMILIES", "unsupported_reason"]
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -34,11 +38,14 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 class LayerWeights(NamedTuple):
     """One decoder block's parameters as local tensors (this rank's shard under tensor parallelism).
 
-    Norms [hidden]; q [heads * D, hidden], k/v [kv_heads * D, hidden], o [hidden, heads * D]; gate/up
-    [inter, hidden], down [hidden, inter]; biases [out features] or None. heads, kv_heads, inter: this rank's share.
+    Norms [hidden] (None: the family has none there): input_norm before attention, post_norm before the MLP,
+    attn_out_norm on the attention's output and mlp_out_norm on the MLP's before each joins the residual stream
+    (OLMo 2, Gemma 3); q_norm, k_norm [D] per head or [heads * D] over the projection (Form.qk_norm).
+    q [heads * D, hidden], k/v [kv_heads * D, hidden], o [hidden, heads * D]; gate/up [inter, hidden], down
+    [hidden, inter]; biases [out features] or None. heads, kv_heads, inter: this rank's share.
     """
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None
     q: torch.Tensor
     q_bias: torch.Tensor | None
     k: torch.Tensor
@@ -47,19 +54,48 @@ class LayerWeights(NamedTuple):
     v_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None
     gate: torch.Tensor
     gate_bias: torch.Tensor | None
     up: torch.Tensor
     up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
     # fused copies (read_weights(fuse=True)): q/k/v rows stacked [(heads + 2 kv_heads) * D, hidden], gate/up rows
     # stacked [2 inter, hidden], and their biases; one GEMM each instead of three and two
     qkv: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
     gate_up: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
+
+
+class Form(NamedTuple):
+    """A model's numerics that the compiled pieces branch on (Python constants there), from its family.
+
+    eps: the RMSNorms' epsilon; norm_offset, norm_float32: RMSNorm scales by (offset + weight), in float32 before
+    rounding or (Llama) after; activation: the MLP gate's, "silu" or "gelu_tanh"; qk_norm: "none", "head" or "all";
+    scale: attention's softmax scale, None for head_dim ** -0.5; embed_scale: the embeddings' factor (1.0, or
+    sqrt(hidden) in Gemma, already rounded to the model dtype as HF's buffer is)."""
+
+    eps: float
+    norm_offset: float = 0.0
+    norm_float32: bool = False
+    activation: str = "silu"
+    qk_norm: str = "none"
+    scale: float | None = None
+    embed_scale: float = 1.0
+
+
+class LayerSpec(NamedTuple):
+    """Per layer: rope, the index of its rotary table (DecoderWeights.rope); window, the keys a query attends to
+    counting itself (kv position > query position - window), 0 for full causal attention."""
+
+    rope: int = 0
+    window: int = 0
 
 
 @dataclass
@@ -71,9 +107,10 @@ class DecoderWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [V, hidden]
-    inv_freq: torch.Tensor  # [D / 2] float32
-    rope_scale: float
-    eps: float
+    rope: list[tuple[torch.Tensor, float]]  # rotary tables: inverse frequencies [D / 2] float32, attention scaling
+    form: Form
+    specs: list[LayerSpec]  # one per layer
+    rotary_float32: bool  # rotary tables in float32 (q/k rotated in float32, rounded once), else in the model dtype
     head_dim: int
     kv_heads: int  # on this rank
     row_parallel: bool  # o/down give partial sums to be reduced over the tp group
@@ -82,28 +119,9 @@ class DecoderWeights:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the compact forward cannot run `model`, or None when it can."""
-    config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} is not 'silu'"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"rope_type {rope_type!r} is not one of {STATIC_ROPE_TYPES}"
-    layer_types = getattr(config, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types):
-        return "sliding-window attention layers are not supported"
-    backbone = getattr(model, "model", None)
-    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(backbone, name):
-            return f"model.model.{name} is missing (not an HF Llama/Qwen2 causal LM layout)"
-    if not hasattr(model, "lm_head"):
-        return "model.lm_head is missing"
-    return None
+    @property
+    def eps(self) -> float:
+        return self.form.eps
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -114,32 +132,23 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
-    """Views of `model`'s parameters, read now (after any FSDP2 unshard). Raises ValueError on shapes this forward
-    cannot run: heads not whole on this rank, or parameters still sharded by FSDP.
+    """Views of `model`'s parameters, read now (after any FSDP2 unshard) through its family's description
+    (rollout/families.py). Raises ValueError on shapes this forward cannot run: heads not whole on this rank, or
+    parameters still sharded by FSDP.
 
     fuse: also build each block's stacked q/k/v and gate/up weights (copies of about two thirds of a Qwen2.5
     block's weights: 0.47 GB at 0.5B, 1.7 GB at 1.5B in bf16; they live for one rollout) so a step runs two GEMMs
     where it ran five. Under tensor parallelism the local shards are stacked, which keeps whole heads and
     rows per rank."""
     config = model.config
+    family = family_of(model)
+    assert family is not None, f"read_weights on model_type {config.model_type!r}: check unsupported_reason first"
     backbone = model.model
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layers = []
-    for block in backbone.layers:
-        attn, mlp = block.self_attn, block.mlp
-        layers.append(
-            LayerWeights(
-                _local(block.input_layernorm.weight),
-                _local(attn.q_proj.weight), _local(attn.q_proj.bias),
-                _local(attn.k_proj.weight), _local(attn.k_proj.bias),
-                _local(attn.v_proj.weight), _local(attn.v_proj.bias),
-                _local(attn.o_proj.weight), _local(attn.o_proj.bias),
-                _local(block.post_attention_layernorm.weight),
-                _local(mlp.gate_proj.weight), _local(mlp.gate_proj.bias),
-                _local(mlp.up_proj.weight), _local(mlp.up_proj.bias),
-                _local(mlp.down_proj.weight), _local(mlp.down_proj.bias),
-            )
-        )
+    # a norm the family does not have stays None
+    layers = [LayerWeights(**{"input_norm": None, "post_norm": None,
+                              **{name: _local(parameter(block, path)) for name, path in family.weights.items()}})
+              for block in backbone.layers]
     first = layers[0]
     hidden = config.hidden_size
     heads, kv_heads = first.q.shape[0] // head_dim, first.k.shape[0] // head_dim
@@ -161,18 +170,31 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
             f"{heads} query heads and {kv_heads} key/value heads on this rank (of {config.num_attention_heads} and "
             f"{config.num_key_value_heads}): tensor parallelism must split both into whole, matching groups"
         )
-    rotary = backbone.rotary_emb
+    row_parallel = heads < config.num_attention_heads
+    if row_parallel and family.qk_norm == "all":
+        raise ValueError(f"{config.model_type}: q/k norms over the whole projection need every head on one rank; "
+                         "run it without tensor parallelism")
+    dtype = _local(backbone.embed_tokens.weight).dtype
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    embed_scale = float(torch.tensor(hidden ** 0.5).to(dtype)) if family.embed_scale else 1.0
+    scale = family.attn_scale(config)
+    form = Form(eps=float(config.rms_norm_eps), norm_offset=family.norm_offset, norm_float32=family.norm_float32,
+                activation=ACTIVATIONS[act], qk_norm=family.qk_norm,
+                scale=None if scale is None else float(scale), embed_scale=embed_scale)
+    rotary = family.rotary(model)
+    windows = family.windows(config)
     weights = DecoderWeights(
         embed=_local(backbone.embed_tokens.weight),
         layers=layers,
         norm=_local(backbone.norm.weight),
         lm_head=_local(model.lm_head.weight),
-        inv_freq=rotary.inv_freq.detach().float(),
-        rope_scale=float(rotary.attention_scaling),
-        eps=float(config.rms_norm_eps),
+        rope=rotary.tables,
+        form=form,
+        specs=[LayerSpec(rope, window) for rope, window in zip(rotary.layers, windows, strict=True)],
+        rotary_float32=family.rotary_float32,
         head_dim=head_dim,
         kv_heads=kv_heads,
-        row_parallel=heads < config.num_attention_heads,
+        row_parallel=row_parallel,
     )
     if not fuse:
         return weights
@@ -181,9 +203,9 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     return stacked
 
 
-SEPARATE_FIELDS = LayerWeights._fields[:16]  # a block's own parameters; the rest are the fused stacks
 FUSED_STACKS = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up"),
                 "gate_up_bias": ("gate_bias", "up_bias")}
+SEPARATE_FIELDS = tuple(name for name in LayerWeights._fields if name not in FUSED_STACKS)  # a block's own tensors
 
 
 def own_weights(w: DecoderWeights, fuse: bool, copy_all: bool) -> DecoderWeights:
@@ -215,7 +237,8 @@ def own_weights(w: DecoderWeights, fuse: bool, copy_all: bool) -> DecoderWeights
     embed = own(w.embed)
     tied = w.lm_head.data_ptr() == w.embed.data_ptr() and w.lm_head.shape == w.embed.shape
     return DecoderWeights(embed=embed, layers=layers, norm=own(w.norm), lm_head=embed if tied else own(w.lm_head),
-                          inv_freq=w.inv_freq.clone(), rope_scale=w.rope_scale, eps=w.eps, head_dim=w.head_dim,
+                          rope=[(inv_freq.clone(), scale) for inv_freq, scale in w.rope], form=w.form,
+                          specs=list(w.specs), rotary_float32=w.rotary_float32, head_dim=w.head_dim,
                           kv_heads=w.kv_heads, row_parallel=w.row_parallel)
 
 
@@ -233,26 +256,44 @@ def fill_weights(dst: DecoderWeights, src: DecoderWeights) -> None:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
-def rope_tables(weights: DecoderWeights, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [length, D] in the model dtype for positions 0..length-1, computed as the HF rotary module does."""
-    freqs = torch.arange(length, device=device).float()[:, None] * weights.inv_freq.to(device)[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = angles.cos() * weights.rope_scale, angles.sin() * weights.rope_scale
-    return cos.to(weights.dtype), sin.to(weights.dtype)
+def rope_tables(weights: DecoderWeights, length: int, device: torch.device) -> tuple[list[torch.Tensor],
+                                                                                          list[torch.Tensor]]:
+    """cos, sin [length, D] for positions 0..length-1 of each rotary table, computed as the HF rotary module does,
+    in the model dtype (float32 where the family rotates in float32)."""
+    dtype = torch.float32 if weights.rotary_float32 else weights.dtype
+    cos_tables, sin_tables = [], []
+    for inv_freq, scale in weights.rope:
+        freqs = torch.arange(length, device=device).float()[:, None] * inv_freq.to(device)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos_tables.append((angles.cos() * scale).to(dtype))
+        sin_tables.append((angles.sin() * scale).to(dtype))
+    return cos_tables, sin_tables
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., hidden] -> same shape; the variance in float32, as HF's RMSNorm."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             float32: bool = False) -> torch.Tensor:
+    """x: [..., hidden] -> same shape; the variance in float32, as HF's RMSNorm. offset, float32: scaled by
+    (offset + weight) in float32 before rounding (Gemma, OLMo 2), else by weight after rounding (Llama)."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if float32:
+        return (x * (offset + weight.float())).to(dtype)
     return weight * x.to(dtype)
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor | None, form: Form) -> torch.Tensor:
+    """The family's RMSNorm of x with `weight`; x itself where the family has no norm there (weight None)."""
+    if weight is None:
+        return x
+    return rms_norm(x, weight, form.eps, form.norm_offset, form.norm_float32)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., D]; cos, sin broadcastable to x. Rotary embedding in HF's rotate-half layout."""
+    """x: [..., D]; cos, sin broadcastable to x. Rotary embedding in HF's rotate-half layout, in the tables' dtype
+    (float32 tables: rounded once to x's dtype)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).to(x.dtype)
 
 
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: Reduce | None):
@@ -271,19 +312,40 @@ def _add(projected: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return (projected.float() + residual.float()).to(projected.dtype)
 
 
-def _qkv(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [..., hidden] -> q [..., heads * D], k and v [..., kv_heads * D]; one GEMM when the weights are fused."""
+def _qkv(x: torch.Tensor, w: LayerWeights, form: Form) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [..., hidden] -> q [..., heads * D], k and v [..., kv_heads * D]; one GEMM when the weights are fused.
+    q and k normed over the whole projection where the family says so (qk_norm "all"; "head" is the caller's)."""
     if w.qkv is None:
-        return F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
-    return F.linear(x, w.qkv, w.qkv_bias).split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
+        q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
+    else:
+        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
+    if form.qk_norm == "all":
+        q, k = norm(q, w.q_norm, form), norm(k, w.k_norm, form)
+    return q, k, v
 
 
-def _mlp(x: torch.Tensor, w: LayerWeights, reduce: Reduce | None) -> torch.Tensor:
+def _heads_norm(q: torch.Tensor, k: torch.Tensor, w: LayerWeights, form: Form) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., heads, D], k [..., kv_heads, D]: each head RMSNormed over D where the family says so (qk_norm "head")."""
+    if form.qk_norm != "head":
+        return q, k
+    return norm(q, w.q_norm, form), norm(k, w.k_norm, form)
+
+
+def _mlp(x: torch.Tensor, w: LayerWeights, form: Form, reduce: Reduce | None) -> torch.Tensor:
     if w.gate_up is None:
         gate, up = F.linear(x, w.gate, w.gate_bias), F.linear(x, w.up, w.up_bias)
     else:
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return _row_parallel(F.silu(gate) * up, w.down, w.down_bias, reduce)
+    act = F.silu(gate) if form.activation == "silu" else F.gelu(gate, approximate="tanh")
+    return _row_parallel(act * up, w.down, w.down_bias, reduce)
+
+
+def _finish_block(attn: torch.Tensor, residual: torch.Tensor, w: LayerWeights, form: Form,
+                  reduce: Reduce | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn: [..., heads * D] the attention's output; residual: the block's input. Returns (MLP output, residual
+    after attention): the output projection, the norms around it and the MLP wherever the family puts them."""
+    residual = _add(norm(_row_parallel(attn, w.o, w.o_bias, reduce), w.attn_out_norm, form), residual)
+    return norm(_mlp(norm(residual, w.post_norm, form), w, form, reduce), w.mlp_out_norm, form), residual
 
 
 def decode_layer(
@@ -296,7 +358,8 @@ def decode_layer(
     cos: torch.Tensor,
     sin: torch.Tensor,
     mask: torch.Tensor | None,
-    eps: float,
+    form: Form,
+    spec: LayerSpec,
     head_dim: int,
     reduce: Reduce | None = None,
     length: int = 0,
@@ -306,32 +369,37 @@ def decode_layer(
     hidden, residual: [B, hidden], the previous block's output and the residual stream before it (summed here, so the
     sum fuses with the norm under torch.compile; the first block gets the embeddings and zeros).
     k_cache, v_cache: [S, kv_heads, T_max, D], this block's cache; the new key/value of slot b is written at pos[b].
-    pos: [B] long. cos, sin: [B, D]. mask: [B, 1, 1, T] bool, True on the cached positions slot b may attend to
-    (T <= T_max: SDPA reads only the first T positions of each slot); None: rotary embedding, cache write and
-    attention by rollout/kernels.py's decode_attention, which reads positions 0..pos[b] of slot b (length: the
-    context bucket, required then).
+    pos: [B] long. cos, sin: [B, D], this layer's rotary table at pos. mask: [B, 1, 1, T] bool, True on the cached
+    positions slot b may attend to (T <= T_max: SDPA reads only the first T positions of each slot; a sliding window,
+    spec.window, narrows it here); None: rotary embedding, cache write and attention by rollout/kernels.py's
+    decode_attention, which reads positions 0..pos[b] of slot b, or the window's last ones (length: the context
+    bucket, required then).
     Returns (block output, residual), [B, hidden] each.
     """
     residual = hidden + residual
-    x = rms_norm(residual, w.input_norm, eps)
+    x = norm(residual, w.input_norm, form)
     batch = x.shape[0]
-    q, k, v = (t.view(batch, -1, head_dim) for t in _qkv(x, w))
+    q, k, v = (t.view(batch, -1, head_dim) for t in _qkv(x, w, form))
+    q, k = _heads_norm(q, k, w, form)
     if mask is None:  # the kernel rotates q and k and writes k and v into the cache itself
-        out = decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, length)
+        scale = head_dim ** -0.5 if form.scale is None else form.scale
+        out = decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, length, spec.window, scale)
     else:
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
         rows = torch.arange(batch, device=x.device)
         k_cache[rows, :, pos] = k
         v_cache[rows, :, pos] = v
+        kv_heads, length = k.shape[1], mask.shape[-1]
+        if spec.window:
+            positions = torch.arange(length, device=x.device)
+            mask = mask & (positions[None, :] > (pos - spec.window)[:, None])[:, None, None, :]
         # Grouped-query attention for one position: the query heads sharing a key/value head become that head's
         # "query positions", so SDPA reads each cached key/value head once and needs no repeat.
-        kv_heads, length = k.shape[1], mask.shape[-1]
         out = F.scaled_dot_product_attention(
             q.view(batch, kv_heads, -1, head_dim), k_cache[:batch, :, :length], v_cache[:batch, :, :length],
-            attn_mask=mask,
+            attn_mask=mask, scale=form.scale,
         )
-    residual = _add(_row_parallel(out.reshape(batch, -1), w.o, w.o_bias, reduce), residual)
-    return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual
+    return _finish_block(out.reshape(batch, -1), residual, w, form, reduce)
 
 
 def prefill_layer(
@@ -344,27 +412,34 @@ def prefill_layer(
     src: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    eps: float,
+    form: Form,
+    spec: LayerSpec,
     head_dim: int,
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block over P right-padded prompts of width L (positions 0..L-1).
 
-    hidden, residual: [P, L, hidden] (as in decode_layer). cos, sin: [L, D].
+    hidden, residual: [P, L, hidden] (as in decode_layer). cos, sin: [L, D], this layer's rotary table.
     dest: [R] long slots; src: [R] long prompt of each slot. Prompt src[r]'s keys/values go to positions 0..L-1 of slot
     dest[r], so the n samples of a prompt share one prefill. Right padding needs no mask: causal attention never lets
     a real token see the padding after it, and the padding's cache entries lie past the prompt, where decode
-    overwrites them before any mask admits them.
+    overwrites them before any mask admits them. A sliding window (spec.window < L) adds a banded mask.
     Returns (block output, residual), [P, L, hidden] each.
     """
     residual = hidden + residual
-    x = rms_norm(residual, w.input_norm, eps)
+    x = norm(residual, w.input_norm, form)
     prompts, width = x.shape[:2]
-    q, k, v = (t.view(prompts, width, -1, head_dim).transpose(1, 2) for t in _qkv(x, w))
+    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form))
+    q, k = _heads_norm(q, k, w, form)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     k_cache[dest, :, :width] = k[src]
     v_cache[dest, :, :width] = v[src]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    out = out.transpose(1, 2).reshape(prompts, width, -1)
-    residual = _add(_row_parallel(out, w.o, w.o_bias, reduce), residual)
-    return _mlp(rms_norm(residual, w.post_norm, eps), w, reduce), residual
+    if spec.window and spec.window < width:
+        positions = torch.arange(width, device=x.device)
+        offset = positions[:, None] - positions[None, :]  # query - key
+        band = (offset >= 0) & (offset < spec.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=form.scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=form.scale, enable_gqa=True)
+    return _finish_block(out.transpose(1, 2).reshape(prompts, width, -1), residual, w, form, reduce)

@@ -105,13 +105,14 @@ if triton is not None:
         stride_ks, stride_kh, stride_kt,
         stride_vs, stride_vh, stride_vt,
         stride_ob, stride_oh,
-        scale, split_len, splits,
+        scale, window, split_len, splits,
         HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
         ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """Program (b, kv head, split): the GROUP query heads of that kv head, rotated, over positions [split *
-        split_len, min(split * split_len + split_len, pos[b] + 1)) of slot b, position pos[b] being the new key and
+        split_len, min(split * split_len + split_len, pos[b] + 1)) of slot b, those past pos[b] - window only (a
+        sliding window; window >= T_max for full attention), position pos[b] being the new key and
         value: the program whose split holds pos[b] (the last one when none does) rotates the new key, writes it and
         the new value into the cache at pos[b] and attends to them from registers; the others read positions
         before pos[b] only, so no program reads what another writes. One split: writes the normalised output; else
@@ -144,6 +145,7 @@ if triton is not None:
         acc = tl.zeros([GROUP_ROWS, HEAD_DIM], dtype=tl.float32)
         start = split * split_len
         end = tl.minimum(start + split_len, pos)  # cached positions only: the new one comes from registers
+        first = tl.maximum(start, pos - window + 1)  # a sliding window's first key; splits before it read nothing
         k_base = K + b * stride_ks + kvh * stride_kh
         v_base = V + b * stride_vs + kvh * stride_vh
         # the new key (rotated) and value, loaded by every program (a few hundred bytes) and written into the cache
@@ -155,7 +157,7 @@ if triton is not None:
         if owner:
             tl.store(k_base + pos * stride_kt + d, key)  # pos < T_max: the caller's promise, not checked here
             tl.store(v_base + pos * stride_vt + d, value)
-        for t0 in range(start, end, BLOCK):
+        for t0 in range(first, end, BLOCK):
             t = t0 + tl.arange(0, BLOCK)
             live = t < end
             k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=live[:, None], other=0.0)
@@ -764,6 +766,7 @@ _RETIRED_COUNTERS: list[torch.Tensor] = []
 # the in-kernel merge holds [query heads, splits, head_dim] floats in every split program (registers for the whole
 # kernel): past this many splits (small batches, long contexts) the second kernel merges instead
 MERGE_IN_KERNEL_MAX_SPLITS = 8
+FULL_WINDOW = 1 << 30  # the kernel's window for full attention: more positions than any cache holds
 
 
 def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
@@ -781,7 +784,8 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int,
-                          splits: int = 0, merge_in_kernel: bool = True) -> torch.Tensor:
+                          splits: int = 0, merge_in_kernel: bool = True, window: int = 0,
+                          scale: float | None = None) -> torch.Tensor:
     """One decode step's attention, rotary embedding and cache write in one kernel.
 
     q: [B, H, D], k, v: [B, KVH, D], the new token's projections in the first B slots, not yet rotated (views of a
@@ -789,7 +793,9 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     the last dimension contiguous), this block's cache, positions 0..pos[b]-1 of slot b filled; pos: [B] long, each
     slot's new position (< T_max); cos, sin: [B, D], the rotary tables at pos (rotate-half layout). Rotates q and k,
     writes k and v into the caches at pos, and returns softmax attention of q[b] over positions 0..pos[b] of slot b,
-    scale 1/sqrt(D), query head h reading key/value head h // (H / KVH), [B, H, D] in q's dtype.
+    scale 1/sqrt(D) (or `scale`), query head h reading key/value head h // (H / KVH), [B, H, D] in q's dtype.
+    window > 0: a sliding window, positions pos[b] - window + 1..pos[b] only (the splits before it read nothing; the
+    cache keeps every position: its memory is the full slot's, its reads the window's).
     length (>= 1) sizes the splits: positions from length rounded up to whole splits on are never read, so a slot
     with pos >= length (a finished one still in the decode batch, whose output is unused) gets attention over a
     prefix only (its new key and value are still written). splits: 0 picks the count (split_count).
@@ -824,7 +830,7 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
-        head_dim ** -0.5, split_len, splits,
+        head_dim ** -0.5 if scale is None else scale, window if window > 0 else FULL_WINDOW, split_len, splits,
         HEADS=heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, _next_power_of_two(group)), HEAD_DIM=head_dim,
         ONE_SPLIT=splits == 1, MERGE=counters is not None, SPLIT_ROWS=_next_power_of_two(splits), BLOCK=BLOCK_T,
         IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
@@ -839,12 +845,14 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 
 @torch.library.custom_op("meshrl::decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int) -> torch.Tensor:
+                     pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int, window: int = 0,
+                     scale: float = 0.0) -> torch.Tensor:
     """decode_attention_impl as an operator torch.compile keeps whole (its graphs call the kernels as they are); it
-    writes the caches in place."""
-    return decode_attention_impl(q, k, v, k_cache, v_cache, pos, cos, sin, length)
+    writes the caches in place. scale 0: 1/sqrt(D)."""
+    return decode_attention_impl(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=window,
+                                 scale=scale or None)
 
 
 @decode_attention.register_fake
-def _(q, k, v, k_cache, v_cache, pos, cos, sin, length):
+def _(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=0, scale=0.0):
     return q.new_empty(q.shape)

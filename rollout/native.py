@@ -1,17 +1,20 @@
 """Native rollout engine: generation on the actor's own parameters, gathered once per rollout (no second engine).
 
 Two paths behind one interface, picked per model:
-- the slot engine (rollout/slots.py) for Llama/Qwen2-family models, through rollout/decoder.py's compact forward: a
-  preallocated KV cache of slots, batched prefill shared by a prompt's n samples, continuous batching, sampling and
-  stop checks on the device, decode steps captured in CUDA graphs on GPU (eager on CPU); by default (resident) the
-  cache, the graphs and the engine's weight buffers stay from one rollout to the next;
-- the HF-forward loop (v1) for any other causal LM: left-pad the prompts, prefill them once, repeat the cache for the
-  n samples of each prompt, then decode one token per forward for all rows with transformers' DynamicCache. Finished
-  rows keep being fed pad tokens until every row (of every rank in the lockstep group) is done.
+- the slot engine (rollout/slots.py) for the families rollout/families.py describes (Llama, Qwen2/3, Mistral, OLMo 2,
+  SmolLM3, Gemma 3), through rollout/decoder.py's compact forward: a preallocated KV cache of slots, batched prefill
+  shared by a prompt's n samples, continuous batching, sampling and stop checks on the device, decode steps captured
+  in CUDA graphs on GPU (eager on CPU); by default (resident) the cache, the graphs and the engine's weight buffers
+  stay from one rollout to the next;
+- the HF-forward loop (v1) for any other causal LM (a one-line warning at start-up names it): left-pad the prompts,
+  prefill them once, repeat the cache for the n samples of each prompt, then decode one token per forward for all rows
+  with transformers' DynamicCache. Finished rows keep being fed pad tokens until every row (of every rank in the
+  lockstep group) is done.
 Both run on FSDP2-sharded (unsharded once per rollout), tensor-parallel and plain models, on CPU and GPU.
 """
 
 import inspect
+import logging
 import time
 
 import torch
@@ -27,6 +30,8 @@ from rollout.sampling import sample_next_tokens, take_first_tp_rank
 from rollout.slots import KERNEL_OPS, SlotEngine
 
 __all__ = ["NativeEngine", "RolloutOutput", "SamplingParams"]
+
+log = logging.getLogger(__name__)
 
 
 def fallback_reason(model: nn.Module, compact_forward: bool = True) -> str | None:
@@ -99,6 +104,9 @@ class NativeEngine:
         self.lockstep_group = lockstep_group
         self.tp_group = tp_group
         self.fallback_reason = fallback_reason(model, compact_forward)
+        if compact_forward and self.fallback_reason is not None:
+            log.warning("native rollout engine: %s decodes on the HF-forward path (one forward per token, tens of "
+                        "times slower than the slot engine): %s", model.config.model_type, self.fallback_reason)
         self.slots = None
         if self.fallback_reason is None:
             self.slots = SlotEngine(model, pad_token_id, tp_group, max_num_seqs, kv_cache_tokens,

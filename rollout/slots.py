@@ -15,10 +15,10 @@ generate call repeats:
    finished slots, and, once no sequence waits, moves the live slots to the front so a smaller bucket serves them.
 Tokens and logprobs land in per-sequence output rows, so any slot can serve any sequence.
 
-The forward is rollout/decoder.py's compact Llama/Qwen2 forward over the model's parameters (in place, or with a
-resident engine over its own buffers, refilled from them every call: the stacked projections, and under FSDP2 a copy
-of every parameter); its blocks and the sampling step can be compiled with torch.compile (CUDA only) before the
-graphs are captured.
+The forward is rollout/decoder.py's compact forward (the families rollout/families.py describes) over the model's
+parameters (in place, or with a resident engine over its own buffers, refilled from them every call: the stacked
+projections, and under FSDP2 a copy of every parameter); its blocks and the sampling step can be compiled with
+torch.compile (CUDA only) before the graphs are captured.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from rollout.api import RolloutOutput, SamplingParams
 from rollout.decoder import (
     SEPARATE_FIELDS,
     DecoderWeights,
+    Form,
     decode_layer,
     fill_weights,
     own_weights,
@@ -95,20 +96,28 @@ class SlotState(NamedTuple):
     out_len: torch.Tensor  # [N + 1] long
 
 
+def embed_tokens(ids: torch.Tensor, embed: torch.Tensor, scale: float) -> torch.Tensor:
+    """ids: [...] long -> [..., hidden]: the embeddings, times the family's scale (Form.embed_scale) unless 1."""
+    hidden = F.embedding(ids, embed)
+    return hidden if scale == 1.0 else hidden * scale
+
+
 def decode_inputs(
     token: torch.Tensor,
     pos: torch.Tensor,
     embed: torch.Tensor,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
+    cos_tables: list[torch.Tensor],
+    sin_tables: list[torch.Tensor],
     positions: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """token, pos: [B] long; embed: [V, hidden]; cos/sin_table: [T_max, D]; positions: [T] = arange(T), or None
-    when attention needs no mask (the Triton kernel reads each slot's live length itself).
-    Returns embeddings [B, hidden], cos and sin [B, D] at pos, and the attention mask [B, 1, 1, T] (positions <= pos:
-    the cache so far and the token written this step) or None."""
+    embed_scale: float = 1.0,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """token, pos: [B] long; embed: [V, hidden]; cos/sin_tables: [T_max, D] per rotary table; positions: [T] =
+    arange(T), or None when attention needs no mask (the Triton kernel reads each slot's live length itself).
+    Returns embeddings [B, hidden], each table's cos and sin [B, D] at pos, and the attention mask [B, 1, 1, T]
+    (positions <= pos: the cache so far and the token written this step) or None."""
     mask = None if positions is None else (positions[None, :] <= pos[:, None])[:, None, None, :]
-    return F.embedding(token, embed), cos_table[pos], sin_table[pos], mask
+    return (embed_tokens(token, embed, embed_scale), [t[pos] for t in cos_tables], [t[pos] for t in sin_tables],
+            mask)
 
 
 def sample_and_record(
@@ -120,7 +129,7 @@ def sample_and_record(
     state: SlotState,
     seed: torch.Tensor,
     stop_mask: torch.Tensor | None,
-    eps: float,
+    form: Form,
     temperature: float,
     top_k: int,
     top_p: float,
@@ -132,7 +141,8 @@ def sample_and_record(
     """Sample the next token of the slots `rows` and update their state in place.
 
     hidden, residual: [R, hidden], the last block's output and residual at each slot's last position. rows: [R] long
-    slots. seed: [1] int32. stop_mask: [V] bool (True on stop tokens) or None when there are none.
+    slots. seed: [1] int32. stop_mask: [V] bool (True on stop tokens) or None when there are none. form: the model's
+    numerics (its final norm's).
     A slot that is not live samples too (its work is in the batch anyway) but writes to the spare output row and
     keeps its state. advance_positions: a decode step moves pos past the token it just wrote; prefill does not (the
     prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
@@ -141,7 +151,7 @@ def sample_and_record(
     sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie, or,
     with top-p, where a token's mass above it is within rounding of top_p).
     """
-    logits = F.linear(rms_norm(hidden + residual, norm, eps), lm_head)
+    logits = F.linear(rms_norm(hidden + residual, norm, form.eps, form.norm_offset, form.norm_float32), lm_head)
     gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]
     ban = stop_mask is not None and min_new_tokens > 0
     if kernel_sampling:
@@ -225,7 +235,8 @@ class _Run:
 
 
 class SlotEngine:
-    """Generation with a slot KV cache on a Llama/Qwen2 model's parameters; see the module docstring.
+    """Generation with a slot KV cache on the parameters of a model rollout/families.py describes; see the module
+    docstring.
 
     max_num_seqs: slots at most (the decode batch). kv_cache_tokens: the KV cache's size in tokens (slots x slot
     length); None sizes it on CUDA from gpu_memory_utilization (the share of the GPU's memory this process may hold
@@ -326,7 +337,7 @@ class SlotEngine:
         max_new = max(limits)
         longest = max(len(p) + limit for p, limit in zip(prompts, limits))
         slot_len = -(-longest // SLOT_ALIGN) * SLOT_ALIGN
-        sampling = (w.eps, params.temperature, params.top_k, params.top_p, params.min_new_tokens, kernel_sampling)
+        sampling = (w.form, params.temperature, params.top_k, params.top_p, params.min_new_tokens, kernel_sampling)
         config = (num_seqs, max_new, bool(params.stop_token_ids), sampling, w.dtype, kernel_attention)
         run = self._run
         new_run = run is None or run.config != config or run.slot_len < slot_len
@@ -369,11 +380,12 @@ class SlotEngine:
             st = run.state
             pos = st.pos[:batch]
             positions = None if kernel_attention else run.positions[:length]
-            hidden, cos, sin, mask = inputs(st.token[:batch], pos, w.embed, run.cos, run.sin, positions)
+            hidden, cos, sin, mask = inputs(st.token[:batch], pos, w.embed, run.cos, run.sin, positions,
+                                            w.form.embed_scale)
             residual = torch.zeros_like(hidden)
-            for block, k, v in zip(w.layers, run.k, run.v):
-                hidden, residual = layer(hidden, residual, block, k, v, pos, cos, sin, mask, w.eps, w.head_dim,
-                                         reduce, length)
+            for block, spec, k, v in zip(w.layers, w.specs, run.k, run.v):
+                hidden, residual = layer(hidden, residual, block, k, v, pos, cos[spec.rope], sin[spec.rope], mask,
+                                         w.form, spec, w.head_dim, reduce, length)
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))
@@ -574,11 +586,12 @@ class SlotEngine:
     def _prefill_forward(run: _Run, w: DecoderWeights, ids, dest, src, last, layer, sample_rows) -> None:
         """ids: [P, L] right-padded prompts; dest, src: [R] slots and their prompts; last: [P] each prompt's last
         position. Writes the prompts' keys/values into the slots and samples each slot's first token."""
-        hidden = F.embedding(ids, w.embed)
+        hidden = embed_tokens(ids, w.embed, w.form.embed_scale)
         residual = torch.zeros_like(hidden)
-        cos, sin = run.cos[: ids.shape[1]], run.sin[: ids.shape[1]]
-        for block, k, v in zip(w.layers, run.k, run.v):
-            hidden, residual = layer(hidden, residual, block, k, v, dest, src, cos, sin, w.eps, w.head_dim)
+        width = ids.shape[1]
+        for block, spec, k, v in zip(w.layers, w.specs, run.k, run.v):
+            hidden, residual = layer(hidden, residual, block, k, v, dest, src, run.cos[spec.rope][:width],
+                                     run.sin[spec.rope][:width], w.form, spec, w.head_dim)
         rows = torch.arange(ids.shape[0], device=ids.device)
         sample_rows(hidden[rows, last][src], residual[rows, last][src], dest, False)
 
