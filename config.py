@@ -914,8 +914,9 @@ def check_run_dir(cfg: Config) -> None:
     if not os.path.isdir(probe):
         raise ConfigError(f"run.output_dir={out!r}: {probe} is a file (or a broken link), not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.output_dir={out!r}: {probe} is not writable by this user; pick a folder you can "
-                          "write (run.output_dir=...)")
+        key = f"run.name={cfg.run.name!r}" if probe == run_dir else f"run.output_dir={out!r}"
+        raise ConfigError(f"{key}: {probe} is not writable by this user (metrics, TensorBoard and checkpoints go "
+                          "there); pick a folder you can write")
     checkpoints = os.path.join(run_dir, "checkpoints")  # a resume writes its next checkpoint there
     if os.path.isdir(checkpoints) and not os.access(checkpoints, os.W_OK | os.X_OK):
         raise ConfigError(f"run.name={cfg.run.name!r}: {checkpoints} is not writable by this user, so the run could "

@@ -58,6 +58,10 @@ def test_the_run_folder_must_be_usable_and_the_port_valid(assets, tmp_path):  # 
             C.check_ppo(C.load_config(cfg, [f"run.output_dir={tmp_path / 'ro'}"]), 1)
         with pytest.raises(C.ConfigError, match=r"checkpoints is not writable by this user, so the run could resume"):
             C.check_ppo(C.load_config(cfg), 1)
+        patch.setattr(os, "access", lambda path, mode: not str(path).endswith("t") and writable(path, mode))
+        with pytest.raises(C.ConfigError, match=r"run\.name='t': .*runs/t is not writable by this user \(metrics, "
+                                                r"TensorBoard"):
+            C.check_ppo(C.load_config(cfg), 1)
     C.check_ppo(C.load_config(cfg), 1)
     import importlib.util
 
