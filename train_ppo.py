@@ -510,10 +510,12 @@ class PPOTrainer:
         if self.actor is not None or self.rollout is not None:
             batch = self._generate(self.eval_set, indices, self.eval_params)
         to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
-        scores = {}
+        scores, functions = {}, {}
         if self.reward is not None:
-            s, _, _ = self.reward.scores(to_reward, self.eval_set.items, training=False)
+            s, reward_metrics, _ = self.reward.scores(to_reward, self.eval_set.items, training=False)
             scores = {"scores": s}
+            # each reward function's mean, and a verl compute_score dict's other numbers (verl's val-aux)
+            functions = {f"eval/{k}": v for k, v in reward_metrics.items() if k.startswith("reward/fn/")}
         # the prompts were dealt round-robin, so the actor ranks' shares differ by one: each asks for its own back
         rows = batch["input_ids"].shape[0] if batch is not None else None
         back = transfer(scores, P["reward"], P["actor"], self.layout, self.device, want=rows)
@@ -531,7 +533,7 @@ class PPOTrainer:
             for i, text in enumerate(texts):
                 index = int(batch["prompt_index"][i])
                 samples.append((index, self.eval_set[index]["prompt_text"], text, float(s[i])))
-        return local, samples
+        return {**local, **functions}, samples
 
     # ------------------------------------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:

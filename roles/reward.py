@@ -150,7 +150,10 @@ class Reward:
                 # a TRL-style function's None (NaN here): that function adds nothing to the sample's reward
                 values = torch.tensor(values, dtype=torch.float32).nan_to_num(0.0)
                 total += weight * values
-                sums[f"reward/fn/{spec}/mean"] = float(values.sum())
+                name = spec.rpartition("/")[2]  # a file's spec (path/to/file.py:f) by its file's name
+                sums[f"reward/fn/{name}/mean"] = float(values.sum())
+                for key in runner.extra_keys:  # a verl compute_score dict's other numbers (acc, ...); 0 where absent
+                    sums[f"reward/fn/{name}/{key}/mean"] = sum(e.get(key, 0.0) for e in runner.last_extras)
                 for key, count in stats.items():
                     self.failures[key] = self.failures.get(key, 0.0) + float(count)
             result = [total, sums]

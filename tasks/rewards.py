@@ -189,7 +189,7 @@ def bind_reward(function: Callable, convention: str) -> Callable[..., list]:
         outs = [function(**keywords({"data_source": c.get("data_source"), "solution_str": response,
                                      "ground_truth": ground_truth, "extra_info": c.get("extra_info")}))
                 for response, ground_truth, c in zip(responses, ground_truths, columns)]
-        return [out["score"] if isinstance(out, dict) else out for out in outs]
+        return outs  # a dict's "score" and its other numbers: _score_and_extras
 
     def trl(responses, ground_truths, prompts, columns, extras):
         extras = [e or {} for e in extras]
@@ -224,6 +224,18 @@ def _as_score(value: object) -> float:
     if not math.isfinite(score):
         raise ValueError(f"the reward function returned {score}, not a finite number")
     return score
+
+
+def _score_and_extras(value: object) -> tuple[float, dict[str, float]]:
+    """(score, the other numbers) of a result: a verl-style dict gives its "score" and its other finite numbers
+    (`acc`, ... : verl's reward_extra_info, logged as metrics); anything else is the score alone."""
+    if not isinstance(value, dict):
+        return _as_score(value), {}
+    if "score" not in value:
+        raise KeyError(f"a compute_score dict needs a 'score'; it had {sorted(value)}")
+    extras = {str(k): float(v) for k, v in value.items()
+              if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
+    return _as_score(value["score"]), extras
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -307,11 +319,11 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             return
         indices, chunk = task[0], task[1:]
         try:
-            scores = [_as_score(v) for v in call(*chunk)]
+            results = [_score_and_extras(v) for v in call(*chunk)]
         except Exception:
             conn.send(("failed", indices, traceback.format_exc()))
         else:
-            conn.send(("scored", indices, scores))
+            conn.send(("scored", indices, results))
 
 
 _MAIN_HIDDEN_LOCK = threading.Lock()
@@ -399,6 +411,9 @@ class RewardFunctionRunner:
         self.convention = "meshrl" if self._inline is not None else None  # a user function's: once a worker is up
         self.last_failed: set[int] = set()  # the items of the last call that failed or timed out
         self.last_error: str | None = None  # the first failure's traceback in the last call
+        self.last_extras: list[dict[str, float]] = []  # each item's other numbers in the last call (verl's dicts)
+        # the other numbers the start-up calls (check) returned: the same on every rank, so the metrics' keys are
+        self.extra_keys: list[str] = []
         self._context = multiprocessing.get_context("spawn")
         self._workers = [] if self._inline is not None else [_Worker(self._context, spec) for _ in range(num_workers)]
         self._logged_error = self._logged_timeout = False
@@ -419,6 +434,7 @@ class RewardFunctionRunner:
             )
         stats = {"reward_fn/errors": 0, "reward_fn/timeouts": 0}
         self.last_failed, self.last_error = set(), None
+        self.last_extras = [{} for _ in responses]
         if self._inline is not None:
             return [float(self._inline(*args)) for args in zip(responses, ground_truths, prompts)], stats
         if not self._workers:
@@ -490,8 +506,8 @@ class RewardFunctionRunner:
         assert indices == worker.indices, (indices, worker.indices)
         worker.indices = None
         if kind == "scored":
-            for index, score in zip(indices, payload):
-                scores[index] = score
+            for index, (score, extras) in zip(indices, payload):
+                scores[index], self.last_extras[index] = score, extras
         else:
             self.last_failed.update(indices)
             self._record_error(stats, payload, len(indices))
@@ -525,6 +541,7 @@ class RewardFunctionRunner:
         if self.last_failed:
             raise ValueError(f"reward function {self.spec!r} ({self.convention} convention) failed its start-up "
                              f"call on {where} (response {response!r:.80}):\n{self.last_error}")
+        self.extra_keys = sorted(set(self.extra_keys) | set(self.last_extras[0]))
 
     def _record_error(self, stats: dict[str, int], description: str, items: int = 1) -> None:
         self.last_error = self.last_error or description

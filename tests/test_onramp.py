@@ -316,3 +316,25 @@ def test_a_trl_function_is_called_once_per_worker_with_its_share_of_the_batch(tm
     finally:
         sys.path.remove(str(tmp_path))
     assert scores == [3.0, 3.5, 3.0, 3.0, 3.0, 3.0] and stats["reward_fn/errors"] == 0
+
+
+VERL_SCORE = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    right = solution_str.strip() == ground_truth
+    return {"score": float(right) + solution_str.count("1") / 10, "acc": right, "ones": solution_str.count("1"),
+            "pred": solution_str}
+"""
+
+
+def test_a_verl_dicts_other_numbers_are_metrics_in_training_and_eval(assets, tmp_path):  # noqa: F811
+    (tmp_path / "verl_score.py").write_text(VERL_SCORE)
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
+                       reward={"functions": [{"spec": f"{tmp_path / 'verl_score.py'}:compute_score"}]})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    fn = "reward/fn/verl_score.py:compute_score"
+    for row, prefix in ((rows[0], "eval/"), (rows[1], "")):
+        acc, ones, score = (row[f"{prefix}{fn}/{key}"] for key in ("acc/mean", "ones/mean", "mean"))
+        assert 0 <= acc <= 1 and score == pytest.approx(acc + ones / 10), row
+        assert f"{prefix}{fn}/pred/mean" not in row
