@@ -26,6 +26,8 @@ LAYER_PLAN = {
 }
 # model types whose q/k RMSNorm spans every head of the projection: a column split cannot keep it
 WHOLE_PROJECTION_QK_NORM = ("olmo2",)
+# model types whose checkpoint fuses q/k/v and gate/up into one weight each: the plan splits separate ones
+FUSED_PROJECTIONS = ("phi3",)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -48,6 +50,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     if model_type in WHOLE_PROJECTION_QK_NORM:
         raise ValueError(f"tensor parallelism: model_type {model_type!r} norms q and k over all heads at once, which a "
                          "split by heads cannot compute; set tp to 1 for it (FSDP2 shards it)")
+    if model_type in FUSED_PROJECTIONS:
+        raise ValueError(f"tensor parallelism: model_type {model_type!r} fuses q/k/v and gate/up in one weight each, "
+                         "which this plan does not split; set tp to 1 for it (FSDP2 shards it)")
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, {name: style() for name, style in LAYER_PLAN.items()})
     return model

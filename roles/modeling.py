@@ -105,7 +105,8 @@ def _takes_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-PACKABLE_MODEL_TYPES = ("llama", "qwen2")  # HF models whose mask follows packed position_ids (tests/test_modeling.py)
+# HF models whose mask follows packed position_ids (tests/test_modeling.py, tests/test_families_training.py)
+PACKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "smollm3", "gemma3_text", "phi3")
 PACK_ROW_FACTOR = 2  # a packed row holds up to this many times the micro-batch's padded width
 PACK_MIN_SAVING = 0.1  # pack only when the packed rows hold at least this share fewer tokens than the padded batch
 
@@ -170,7 +171,7 @@ def packed_rows(batch: Batch) -> PackedRows | None:
 
 
 def packable(model: nn.Module) -> bool:
-    """Whether response_logits may pack this model's micro-batches: an HF Llama/Qwen2 layout (model.model.norm)."""
+    """Whether response_logits may pack this model's micro-batches: a PACKABLE_MODEL_TYPES decoder (.model.norm)."""
     config = getattr(model, "config", None)
     return getattr(config, "model_type", None) in PACKABLE_MODEL_TYPES and hasattr(getattr(model, "model", None),
                                                                                        "norm")

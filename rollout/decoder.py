@@ -79,7 +79,9 @@ class Form(NamedTuple):
     eps: the RMSNorms' epsilon; norm_offset, norm_float32: RMSNorm scales by (offset + weight), in float32 before
     rounding or (Llama) after; activation: the MLP gate's, "silu" or "gelu_tanh"; qk_norm: "none", "head" or "all";
     scale: attention's softmax scale, None for head_dim ** -0.5; embed_scale: the embeddings' factor (1.0, or
-    sqrt(hidden) in Gemma, already rounded to the model dtype as HF's buffer is)."""
+    sqrt(hidden) in Gemma, already rounded to the model dtype as HF's buffer is); rotary_dim: the leading dimensions
+    of each head that rotary rotates (the head's size, or less: partial rotary, Phi-4-mini), the rest pass as they are.
+    """
 
     eps: float
     norm_offset: float = 0.0
@@ -88,6 +90,7 @@ class Form(NamedTuple):
     qk_norm: str = "none"
     scale: float | None = None
     embed_scale: float = 1.0
+    rotary_dim: int = 0
 
 
 class LayerSpec(NamedTuple):
@@ -145,9 +148,12 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     assert family is not None, f"read_weights on model_type {config.model_type!r}: check unsupported_reason first"
     backbone = model.model
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # a norm the family does not have stays None
-    layers = [LayerWeights(**{"input_norm": None, "post_norm": None,
-                              **{name: _local(parameter(block, path)) for name, path in family.weights.items()}})
+    # a norm or bias the family does not have stays None
+    absent = {name: None for name in ("input_norm", "post_norm", "q_bias", "k_bias", "v_bias", "o_bias", "gate_bias",
+                                      "up_bias", "down_bias")}
+    layers = [LayerWeights(**{**absent,
+                              **{name: _local(parameter(block, path, config))
+                                 for name, path in family.weights.items()}})
               for block in backbone.layers]
     first = layers[0]
     hidden = config.hidden_size
@@ -178,11 +184,12 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     embed_scale = float(torch.tensor(hidden ** 0.5).to(dtype)) if family.embed_scale else 1.0
     scale = family.attn_scale(config)
+    rotary = family.rotary(model)
+    rotary_dim = 2 * rotary.tables[0][0].numel()
+    assert all(2 * t.numel() == rotary_dim for t, _ in rotary.tables) and rotary_dim <= head_dim
     form = Form(eps=float(config.rms_norm_eps), norm_offset=family.norm_offset, norm_float32=family.norm_float32,
                 activation=ACTIVATIONS[act], qk_norm=family.qk_norm,
-                scale=None if scale is None else float(scale), embed_scale=embed_scale)
-    rotary = family.rotary(model)
-    windows = family.windows(config)
+                scale=None if scale is None else float(scale), embed_scale=embed_scale, rotary_dim=rotary_dim)
     weights = DecoderWeights(
         embed=_local(backbone.embed_tokens.weight),
         layers=layers,
@@ -190,7 +197,7 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
         lm_head=_local(model.lm_head.weight),
         rope=rotary.tables,
         form=form,
-        specs=[LayerSpec(rope, window) for rope, window in zip(rotary.layers, windows, strict=True)],
+        specs=[LayerSpec(rope, window) for rope, window in zip(rotary.layers, family.windows(config), strict=True)],
         rotary_float32=family.rotary_float32,
         head_dim=head_dim,
         kv_heads=kv_heads,
@@ -259,14 +266,20 @@ def fill_weights(dst: DecoderWeights, src: DecoderWeights) -> None:
 def rope_tables(weights: DecoderWeights, length: int, device: torch.device) -> tuple[list[torch.Tensor],
                                                                                           list[torch.Tensor]]:
     """cos, sin [length, D] for positions 0..length-1 of each rotary table, computed as the HF rotary module does,
-    in the model dtype (float32 where the family rotates in float32)."""
+    in the model dtype (float32 where the family rotates in float32). Under partial rotary the dimensions past
+    Form.rotary_dim get cos 1 and sin 0: they pass unchanged."""
     dtype = torch.float32 if weights.rotary_float32 else weights.dtype
+    passed = weights.head_dim - weights.form.rotary_dim
     cos_tables, sin_tables = [], []
     for inv_freq, scale in weights.rope:
         freqs = torch.arange(length, device=device).float()[:, None] * inv_freq.to(device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        cos_tables.append((angles.cos() * scale).to(dtype))
-        sin_tables.append((angles.sin() * scale).to(dtype))
+        cos, sin = angles.cos() * scale, angles.sin() * scale
+        if passed:
+            cos = torch.cat((cos, cos.new_ones(length, passed)), dim=-1)
+            sin = torch.cat((sin, sin.new_zeros(length, passed)), dim=-1)
+        cos_tables.append(cos.to(dtype))
+        sin_tables.append(sin.to(dtype))
     return cos_tables, sin_tables
 
 
@@ -289,11 +302,17 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, form: Form) -> torch.Tens
     return rms_norm(x, weight, form.eps, form.norm_offset, form.norm_float32)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., D]; cos, sin broadcastable to x. Rotary embedding in HF's rotate-half layout, in the tables' dtype
-    (float32 tables: rounded once to x's dtype)."""
-    half = x.shape[-1] // 2
-    return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).to(x.dtype)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x: [..., D]; cos, sin broadcastable to x. Rotary embedding in HF's rotate-half layout over the first
+    rotary_dim dimensions (the rest have cos 1 and sin 0: x * 1 + x * 0, exactly x), in the tables' dtype (float32
+    tables: rounded once to x's dtype)."""
+    if rotary_dim == x.shape[-1]:
+        half = rotary_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    else:
+        half = rotary_dim // 2
+        rotated = torch.cat((-x[..., half:rotary_dim], x[..., :half], x[..., rotary_dim:]), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: Reduce | None):
@@ -383,9 +402,10 @@ def decode_layer(
     q, k = _heads_norm(q, k, w, form)
     if mask is None:  # the kernel rotates q and k and writes k and v into the cache itself
         scale = head_dim ** -0.5 if form.scale is None else form.scale
-        out = decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, length, spec.window, scale)
+        out = decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, length, spec.window, scale, form.rotary_dim)
     else:
-        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        q, k = _rotate(q, cos[:, None], sin[:, None], form.rotary_dim), _rotate(k, cos[:, None], sin[:, None],
+                                                                                form.rotary_dim)
         rows = torch.arange(batch, device=x.device)
         k_cache[rows, :, pos] = k
         v_cache[rows, :, pos] = v
@@ -432,7 +452,7 @@ def prefill_layer(
     q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form))
     q, k = _heads_norm(q, k, w, form)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = _rotate(q, cos, sin, form.rotary_dim), _rotate(k, cos, sin, form.rotary_dim)
     k_cache[dest, :, :width] = k[src]
     v_cache[dest, :, :width] = v[src]
     if spec.window and spec.window < width:

@@ -9,8 +9,8 @@ and the Triton kernels see only those. A new family is a description here and a 
 greedy tokens against HF `generate` and the engine's log-probs against the teacher-forced ones).
 
 Not described, so decoded through the HF forward (rollout/native.py warns once naming that slower path):
-mixture-of-experts families, dynamic rotary scaling (NTK, longrope, YaRN), attention or logit soft-capping
-(Gemma 2), and any model_type not listed in FAMILIES.
+mixture-of-experts families, dynamic rotary scaling (NTK, longrope, YaRN: Phi-3's long-context variants use longrope),
+attention or logit soft-capping (Gemma 2), and any model_type not listed in FAMILIES.
 """
 
 from __future__ import annotations
@@ -40,6 +40,38 @@ LLAMA_WEIGHTS = {
 }
 QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 REQUIRED = ("q", "k", "v", "o", "gate", "up", "down")
+# a weight the checkpoint holds inside a fused one: (block, config) -> a view of its rows
+Rows = Callable[[nn.Module, object], torch.Tensor]
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _qkv_rows(part: int) -> Rows:
+    """q (0), k (1) or v (2): a view of the rows of a fused qkv_proj (Phi-3: q, then k, then v)."""
+
+    def rows(block: nn.Module, config) -> torch.Tensor:
+        d = _head_dim(config)
+        sizes = [config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d]
+        return block.self_attn.qkv_proj.weight.split(sizes)[part]
+
+    return rows
+
+
+def _gate_up_rows(part: int) -> Rows:
+    """gate (0) or up (1): a view of one half of a fused gate_up_proj (Phi-3: gate first)."""
+    return lambda block, config: block.mlp.gate_up_proj.weight.chunk(2)[part]
+
+
+PHI3_WEIGHTS = {
+    "input_norm": "input_layernorm.weight",
+    "q": _qkv_rows(0), "k": _qkv_rows(1), "v": _qkv_rows(2),
+    "o": "self_attn.o_proj.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate": _gate_up_rows(0), "up": _gate_up_rows(1),
+    "down": "mlp.down_proj.weight",
+}
 
 
 @dataclass(frozen=True)
@@ -102,7 +134,7 @@ def _no_softcapping(config) -> str | None:
 class Family:
     """How the compact forward reads one family. Field names of `weights` are rollout/decoder.LayerWeights'."""
 
-    weights: dict[str, str] = field(default_factory=lambda: dict(LLAMA_WEIGHTS))
+    weights: dict[str, str | Rows] = field(default_factory=lambda: dict(LLAMA_WEIGHTS))
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): 1 in Gemma, whose norm weights are 0-centred
     norm_float32: bool = False  # the weight multiplies the float32 normalised x (OLMo 2, Gemma), not its rounding
     qk_norm: str = "none"  # "head": RMSNorm over each head (Qwen3, Gemma 3); "all": over the whole projection (OLMo 2)
@@ -134,15 +166,25 @@ FAMILIES: dict[str, Family] = {
         attn_scale=lambda config: config.query_pre_attn_scalar ** -0.5,
         rotary=_rotary_per_layer_type, check=_no_softcapping,
     ),
+    # q/k/v and gate/up fused in the checkpoint (read as views of their rows); partial rotary (Phi-4-mini: 0.75 of
+    # each head) comes with the rotary module's table, narrower than the head
+    "phi3": Family(weights=PHI3_WEIGHTS),
 }
+
+
+# families whose HF attention rotates only the first rotary_dim of each head's dimensions (the decoder does so too)
+PARTIAL_ROTARY = ("phi3",)
 
 
 def family_of(model: nn.Module) -> Family | None:
     return FAMILIES.get(getattr(model.config, "model_type", None))
 
 
-def parameter(block: nn.Module, path: str) -> torch.Tensor | None:
-    """The tensor at `path` under `block` ("self_attn.q_proj.bias"), or None where a module has none (no bias)."""
+def parameter(block: nn.Module, path: str | Rows, config=None) -> torch.Tensor | None:
+    """The tensor at `path` under `block` ("self_attn.q_proj.bias"), or None where a module has none (no bias);
+    a Rows path gives its view of a fused weight."""
+    if callable(path):
+        return path(block, config)
     obj = block
     for name in path.split("."):
         obj = getattr(obj, name, None)
@@ -166,8 +208,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in STATIC_ROPE_TYPES:
             return f"rope_type {rope_type!r} is not one of {STATIC_ROPE_TYPES}"
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            return f"partial_rotary_factor {params['partial_rotary_factor']} (partial rotary) is not supported"
+        if params.get("partial_rotary_factor", 1.0) != 1.0 and config.model_type not in PARTIAL_ROTARY:
+            return f"partial_rotary_factor {params['partial_rotary_factor']} (partial rotary) in {config.model_type}"
     layer_types = getattr(config, "layer_types", None) or ()
     unknown = set(layer_types) - {"full_attention", "sliding_attention"}
     if unknown:
@@ -183,6 +225,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "model.lm_head is missing"
     block = backbone.layers[0]
     for name, path in family.weights.items():
-        if name in REQUIRED and parameter(block, path) is None:
-            return f"model.model.layers[0].{path} is missing (the {config.model_type} layout of rollout/families.py)"
+        try:
+            missing = name in REQUIRED and parameter(block, path, config) is None
+        except AttributeError as error:  # a fused weight's module is not there
+            missing = error
+        if missing:
+            where = path if isinstance(path, str) else f"{name} ({missing})"
+            return f"model.model.layers[0].{where} is missing (the {config.model_type} layout of rollout/families.py)"
     return None

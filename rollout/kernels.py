@@ -108,7 +108,7 @@ if triton is not None:
         scale, window, split_len, splits,
         HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
         ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ):
         """Program (b, kv head, split): the GROUP query heads of that kv head, rotated, over positions [split *
         split_len, min(split * split_len + split_len, pos[b] + 1)) of slot b, those past pos[b] - window only (a
@@ -130,8 +130,9 @@ if triton is not None:
         real = g < GROUP
         # q and the new key rotated (_rotate_half) in float32 and rounded once to the inputs' dtype, as the compiled
         # PyTorch form computes
-        partner = (d + HEAD_DIM // 2) % HEAD_DIM
-        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+        # rotate-half over the first ROTARY_DIM dimensions; the rest (partial rotary) have cos 1, sin 0 and pass
+        partner = tl.where(d < ROTARY_DIM, (d + ROTARY_DIM // 2) % ROTARY_DIM, d)
+        sign = tl.where(d < ROTARY_DIM // 2, -1.0, 1.0)
         cos = tl.load(COS + b * stride_cb + d).to(tl.float32)
         sin = tl.load(SIN + b * stride_cb + d).to(tl.float32)
         q_rows = Q + b * stride_qb + head[:, None] * stride_qh
@@ -785,7 +786,7 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
 def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int,
                           splits: int = 0, merge_in_kernel: bool = True, window: int = 0,
-                          scale: float | None = None) -> torch.Tensor:
+                          scale: float | None = None, rotary_dim: int = 0) -> torch.Tensor:
     """One decode step's attention, rotary embedding and cache write in one kernel.
 
     q: [B, H, D], k, v: [B, KVH, D], the new token's projections in the first B slots, not yet rotated (views of a
@@ -795,7 +796,9 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     writes k and v into the caches at pos, and returns softmax attention of q[b] over positions 0..pos[b] of slot b,
     scale 1/sqrt(D) (or `scale`), query head h reading key/value head h // (H / KVH), [B, H, D] in q's dtype.
     window > 0: a sliding window, positions pos[b] - window + 1..pos[b] only (the splits before it read nothing; the
-    cache keeps every position: its memory is the full slot's, its reads the window's).
+    cache keeps every position: its memory is the full slot's, its reads the window's). rotary_dim > 0: partial
+    rotary, the first rotary_dim dimensions of each head rotated (cos, sin are 1 and 0 past them), the rest as they
+    are.
     length (>= 1) sizes the splits: positions from length rounded up to whole splits on are never read, so a slot
     with pos >= length (a finished one still in the decode batch, whose output is unused) gets attention over a
     prefix only (its new key and value are still written). splits: 0 picks the count (split_count).
@@ -833,7 +836,8 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         head_dim ** -0.5 if scale is None else scale, window if window > 0 else FULL_WINDOW, split_len, splits,
         HEADS=heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, _next_power_of_two(group)), HEAD_DIM=head_dim,
         ONE_SPLIT=splits == 1, MERGE=counters is not None, SPLIT_ROWS=_next_power_of_two(splits), BLOCK=BLOCK_T,
-        IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
+        IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED, ROTARY_DIM=rotary_dim or head_dim, num_warps=ATTENTION_WARPS,
+        num_stages=ATTENTION_STAGES,
     )
     if splits > 1 and counters is None:
         _merge_splits[(batch, heads)](
@@ -846,13 +850,13 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 @torch.library.custom_op("meshrl::decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int, window: int = 0,
-                     scale: float = 0.0) -> torch.Tensor:
+                     scale: float = 0.0, rotary_dim: int = 0) -> torch.Tensor:
     """decode_attention_impl as an operator torch.compile keeps whole (its graphs call the kernels as they are); it
-    writes the caches in place. scale 0: 1/sqrt(D)."""
+    writes the caches in place. scale 0: 1/sqrt(D); rotary_dim 0: the whole head."""
     return decode_attention_impl(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=window,
-                                 scale=scale or None)
+                                 scale=scale or None, rotary_dim=rotary_dim)
 
 
 @decode_attention.register_fake
-def _(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=0, scale=0.0):
+def _(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=0, scale=0.0, rotary_dim=0):
     return q.new_empty(q.shape)

@@ -19,6 +19,7 @@ from transformers import (
     GPT2Config,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -54,6 +55,8 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}),
+    # fused qkv and gate_up weights; rotary on half of each head (Phi-4-mini: 0.75)
+    "phi3": lambda: Phi3Config(**SHAPE, num_hidden_layers=2, partial_rotary_factor=0.5),
 }
 
 
@@ -114,6 +117,11 @@ def test_the_description_reads_each_familys_layers():
     assert olmo.layers[0].attn_out_norm is not None and olmo.layers[0].q_norm.shape == (4 * 16,)
     assert [s.window for s in read_weights(tiny_model("mistral-window")).specs] == [8, 8]
     assert [s.window for s in read_weights(tiny_model("qwen3-window")).specs] == [0, 8]
+    phi = tiny_model("phi3")
+    phi_weights = read_weights(phi)
+    assert phi_weights.form.rotary_dim == 8 and phi_weights.head_dim == 16
+    fused = phi.model.layers[0].self_attn.qkv_proj.weight
+    assert phi_weights.layers[0].k.data_ptr() == fused[64:].data_ptr()  # a view of the checkpoint's fused rows
 
 
 def test_unsupported_configs_fall_back_with_the_reason():
@@ -175,8 +183,9 @@ def test_decode_attention_reads_only_the_window(window, splits):
 
 @pytest.mark.skipif(kernels.available(16, torch.device("cuda" if torch.cuda.is_available() else "cpu")) is not None,
                     reason="the Triton kernel cannot run here")
-@pytest.mark.parametrize("name", ["mistral-window", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3", "phi3"])
 def test_windowed_families_decode_through_the_kernel_as_through_torch(name):
+    # the kernel's sliding window, query scale and partial rotary against the PyTorch path
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model(name).to(device)
     params = SamplingParams(max_new_tokens=24, temperature=1.1)
