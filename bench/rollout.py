@@ -2,6 +2,7 @@
 
     python bench/rollout.py                       # Qwen2.5-0.5B and 1.5B shapes, 1 GPU
     python bench/rollout.py --models qwen2.5-0.5b --hf-prompts 128
+    python bench/rollout.py --models qwen2.5-0.5b qwen3-0.6b --hf-prompts 64 --no-spread   # a family beside Qwen2.5
     python bench/rollout.py --models qwen2.5-0.5b --top-p 0.9 --kernels torch triton   # top-p: sort against kernel
     python bench/rollout.py --models qwen2.5-0.5b --prompts 1024 --max-num-seqs 256 --hf-prompts 0   # 4x the slots
     torchrun --nproc_per_node 2 bench/rollout.py --layout tp --hf-prompts 0   # one engine over 2 GPUs (TP=2)
