@@ -55,6 +55,7 @@ from parallel.layout import Layout, build_layout
 from parallel.transfer import transfer
 from roles.actor import Actor, native_engine_options
 from roles.critic import Critic
+from roles.lora import BaseReference
 from roles.modeling import all_reduce_sum
 from roles.reference import Reference
 from roles.reward import Reward, decode_responses
@@ -159,9 +160,14 @@ class PPOTrainer:
                            cfg.rollout) if hosts("actor") else None
         self.critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.critic, self.pools["critic"], device,
                              self.total_steps, trust, cfg.comm) if self.use_critic and hosts("critic") else None
-        self.reference = Reference(cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
-                                   cfg.actor.micro_batch_tokens, trust, cfg.actor.pack_sequences
-                                   ) if self.use_ref and hosts("reference") else None
+        self.reference = None
+        if self.use_ref and hosts("reference"):
+            # a LoRA actor's base, on the same ranks, is the reference: its model with the adapters off
+            base_ref = self.actor is not None and self.actor.lora is not None and \
+                self.pools["reference"] is self.pools["actor"] and cfg.reference.model_path in (None, path)
+            self.reference = BaseReference(self.actor) if base_ref else Reference(
+                cfg.reference.model_path or path, cfg.reference, self.pools["reference"], device,
+                cfg.actor.micro_batch_tokens, trust, cfg.actor.pack_sequences)
         if self.use_teacher:
             check_teacher_vocab(self.tokenizer, cfg.teacher.model_path, trust)
         self.teacher = Reference(cfg.teacher.model_path, cfg.teacher, self.pools["teacher"], device,
@@ -803,10 +809,14 @@ def on_stop_signal(signum, frame) -> None:
 
 def on_interrupt(signum, frame) -> None:
     """Ctrl-C (SIGINT): the first one stops as SIGTERM does (finish the step, save, exit 0); a second one stops at
-    once, without saving (KeyboardInterrupt, exit 130)."""
+    once, without saving (KeyboardInterrupt, exit 130). One within a second of the first is the same Ctrl-C passed on
+    by torchrun's agent (the terminal's reaches the agent and its workers alike)."""
+    now = time.monotonic()
     if STOP_SIGNAL["received"]:
+        if now - STOP_SIGNAL.get("interrupted_at", float("-inf")) < 1.0:
+            return
         raise KeyboardInterrupt
-    STOP_SIGNAL["received"] = True
+    STOP_SIGNAL["received"], STOP_SIGNAL["interrupted_at"] = True, now
     if os.environ.get("RANK", "0") == "0":  # a terminal's Ctrl-C reaches every rank of the job
         os.write(2, b"\nCtrl-C: finishing this step, then saving a checkpoint and exiting; "
                     b"Ctrl-C again to stop at once without saving\n")

@@ -42,6 +42,27 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_zero(assets, tmp_path):  # noq
     assert 2 <= last < 200 and ckpts(tmp_path / "runs") == ["latest", f"step_{last:08d}"], ckpts(tmp_path / "runs")
 
 
+def test_ctrl_c_under_torchrun_saves_though_the_agent_passes_it_on(assets, tmp_path):  # noqa: F811
+    """A terminal's Ctrl-C reaches torchrun's agent and its workers; the agent sends the workers SIGINT again at once
+    (and SIGKILL 30 s later): that second one is the same Ctrl-C, so the workers still finish the step and save."""
+    import os
+    import time
+
+    cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 300})
+    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              "train_ppo.py", "--config", cfg], cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 200
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    os.killpg(agent.pid, signal.SIGINT)  # the terminal's Ctrl-C: the whole foreground process group
+    _, err = agent.communicate(timeout=120)
+    last = read_metrics(tmp_path / "runs")[-1]["step"]
+    assert ckpts(tmp_path / "runs") == ["latest", f"step_{last:08d}"], err[-4000:]
+    assert err.count("Ctrl-C: finishing this step") == 1 and "interrupted: stopped at once" not in err, err[-4000:]
+
+
 # Ctrl-C twice while the second checkpoint is being written (DCP runs the write under `except BaseException` and
 # passes the KeyboardInterrupt on inside a CheckpointException)
 CTRL_C_IN_A_SAVE = """
@@ -51,7 +72,7 @@ write = FileSystemWriter.write_data
 def write_data(self, plan, planner):
     if "step_00000002" in str(self.path):
         os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.5)
+        time.sleep(1.5)
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
     return write(self, plan, planner)
