@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rollout.families import ACTIVATIONS, FAMILIES, family_of, parameter, unsupported_reason
+from rollout.families import ACTIVATIONS, family_of, parameter, unsupported_reason
 from rollout.kernels import decode_attention
 
-__all__ = ["FAMILIES", "unsupported_reason"]
+__all__ = ["unsupported_reason"]  # where plan.py and native.py have always read it
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -121,10 +121,6 @@ class DecoderWeights:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
-
-    @property
-    def eps(self) -> float:
-        return self.form.eps
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
