@@ -563,6 +563,8 @@ class PPOTrainer:
         self.clock = (start, time.perf_counter())  # for the ETA of the console line
         for step in range(start + 1, self.total_steps + 1):
             began = time.perf_counter()
+            if self.reward is not None:  # TRL-style rewards' trainer_state: the optimizer steps done so far
+                self.reward.trainer_state = {"global_step": step - 1, "max_steps": self.total_steps}
             self.gpu.pop()  # what the eval or the save used belongs to no step
             with profiled(step == cfg.run.profile_step, self.run_dir, f"step{step}_rank{self.rank}"):
                 local = self.step(step)
@@ -774,6 +776,8 @@ class PPOTrainer:
             log.warning("resuming %s with changed rollout files (allowed): %s", path, "; ".join(changed))
 
     def _eval_and_log(self, step: int, merged: dict[str, float] | None = None) -> dict[str, float]:
+        if self.reward is not None:
+            self.reward.trainer_state = {"global_step": step, "max_steps": self.total_steps}
         local, samples = self.evaluate()
         ev = gather_metrics(local)
         everyone: list = [None] * self.layout.world_size

@@ -65,6 +65,8 @@ class Reward:
                           for f in cfg.functions]
         self.failures = {"reward_fn/errors": 0.0, "reward_fn/timeouts": 0.0}  # since the last take_failures()
         self.fatal: str | None = None  # set when a step's failures pass reward.max_error_fraction
+        # what TRL-style functions get as `trainer_state` (global_step, max_steps), kept up by the trainer
+        self.trainer_state: dict = {"global_step": 0, "max_steps": 0}
 
     def check_functions(self, samples: list[tuple[str, dict]]) -> str | None:
         """One call of every reward function on each (where, record) before training, with the record's ground truth
@@ -144,7 +146,7 @@ class Reward:
             total = torch.zeros(len(texts), dtype=torch.float32)
             sums = {}
             for runner, weight, spec in self.functions:
-                values, stats = runner(texts, truths, prompts, columns, extras)
+                values, stats = runner(texts, truths, prompts, columns, extras, self.trainer_state)
                 failed |= runner.last_failed
                 first_error = first_error or (f"{spec}: {runner.last_error}" if runner.last_error else None)
                 # a TRL-style function's None (NaN here): that function adds nothing to the sample's reward

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections import deque
 from collections.abc import Callable, Sequence
 from decimal import Decimal
@@ -177,7 +178,7 @@ def bind_reward(function: Callable, convention: str) -> Callable[..., list]:
     A TRL-style function gets the whole chunk in one call, as TRL calls it; the others one sample at a time. The
     keywords a TRL or verl function accepts are read once, here, not per sample."""
     if convention == "meshrl":
-        return lambda responses, ground_truths, prompts, columns, extras: [
+        return lambda responses, ground_truths, prompts, columns, extras, state=None: [
             function(*args) for args in zip(responses, ground_truths, prompts)]
     accepted = inspect.signature(function).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
@@ -185,19 +186,21 @@ def bind_reward(function: Callable, convention: str) -> Callable[..., list]:
     def keywords(given: dict) -> dict:
         return {k: v for k, v in given.items() if takes_all or k in accepted}
 
-    def verl(responses, ground_truths, prompts, columns, extras):
+    def verl(responses, ground_truths, prompts, columns, extras, state=None):
         outs = [function(**keywords({"data_source": c.get("data_source"), "solution_str": response,
                                      "ground_truth": ground_truth, "extra_info": c.get("extra_info")}))
                 for response, ground_truth, c in zip(responses, ground_truths, columns)]
         return outs  # a dict's "score" and its other numbers: _score_and_extras
 
-    def trl(responses, ground_truths, prompts, columns, extras):
+    def trl(responses, ground_truths, prompts, columns, extras, state=None):
         extras = [e or {} for e in extras]
         names = dict.fromkeys(k for c in columns for k in c)
         given = {**{k: [c.get(k) for c in columns] for k in names}, "ground_truth": list(ground_truths),
                  "prompts": [p if e.get("messages") is None else e["messages"] for p, e in zip(prompts, extras)]}
         if all(e.get("completion_ids") is not None for e in extras):
             given["completion_ids"] = [e["completion_ids"] for e in extras]
+        if state is not None:  # TRL's TrainerState, as far as meshrl has its fields: trainer_state.global_step
+            given["trainer_state"] = types.SimpleNamespace(**state)
         # conversational data gets TRL's conversational completions: c[0]["content"]
         completions = [r if e.get("messages") is None else [{"role": "assistant", "content": r}]
                        for r, e in zip(responses, extras)]
@@ -421,10 +424,12 @@ class RewardFunctionRunner:
     def __call__(
         self, responses: Sequence[str], ground_truths: Sequence[str | None], prompts: Sequence[str],
         columns: Sequence[dict] | None = None, extras: Sequence[dict | None] | None = None,
+        trainer_state: dict | None = None,
     ) -> tuple[list[float], dict[str, int]]:
         """Scores of the items; columns: each item's other data columns (for TRL- and verl-style functions); extras:
-        each item's chat messages and response token ids (for TRL-style ones: bind_reward). A TRL-style function's
-        None scores NaN (NOT_APPLICABLE): no part of the item's reward, and no failure."""
+        each item's chat messages and response token ids, and trainer_state, {"global_step", "max_steps"} (for
+        TRL-style ones: bind_reward). A TRL-style function's None scores NaN (NOT_APPLICABLE): no part of the item's
+        reward, and no failure."""
         columns = columns if columns is not None else [{}] * len(responses)
         extras = extras if extras is not None else [None] * len(responses)
         if not len(responses) == len(ground_truths) == len(prompts) == len(columns):
@@ -453,7 +458,8 @@ class RewardFunctionRunner:
                     chunk = [todo.popleft() for _ in range(size)]
                     try:
                         worker.conn.send((chunk, *([part[i] for i in chunk] for part in
-                                                   (responses, ground_truths, prompts, columns, extras))))
+                                                   (responses, ground_truths, prompts, columns, extras)),
+                                          trainer_state))
                     except OSError:  # the worker died while idle
                         todo.extendleft(reversed(chunk))
                         self._replace(slot)
@@ -535,7 +541,7 @@ class RewardFunctionRunner:
         """One call on one sample before training: ValueError naming `where` and with the traceback when it fails,
         returns something that is not a finite number, or times out."""
         try:
-            self([response], [ground_truth], [prompt], [columns], [extras])
+            self([response], [ground_truth], [prompt], [columns], [extras], {"global_step": 0, "max_steps": 0})
         except Exception as e:  # a builtin runs inline and raises here
             raise ValueError(f"reward function {self.spec!r} failed its start-up call on {where}: {e}") from e
         if self.last_failed:

@@ -293,7 +293,8 @@ def test_a_chat_template_given_as_text_or_a_file_and_trl_rewards_on_conversation
 
 
 CONVERSATIONAL_REWARD = """
-def score(completions, prompts, completion_ids, ground_truth, **columns):
+def score(completions, prompts, completion_ids, ground_truth, trainer_state, **columns):
+    assert 0 <= trainer_state.global_step <= trainer_state.max_steps or trainer_state.max_steps == 0
     out = []
     for c, p, ids, truth in zip(completions, prompts, completion_ids, ground_truth):
         assert c[0]["role"] == "assistant" and p[0]["role"] == "user" and all(isinstance(t, int) for t in ids)
@@ -311,7 +312,8 @@ def test_a_trl_function_gets_conversational_completions_and_its_none_is_no_error
     try:
         with RewardFunctionRunner("conv_reward:score", num_workers=1) as runner:
             extras = [{"messages": [{"role": "user", "content": p}], "completion_ids": [1, 1]} for p in ("1+2", "9+9")]
-            scores, stats = runner(["11", "12"], ["3", "18"], ["1+2=", "9+9="], [{}, {}], extras)
+            scores, stats = runner(["11", "12"], ["3", "18"], ["1+2=", "9+9="], [{}, {}], extras,
+                                   {"global_step": 3, "max_steps": 10})
     finally:
         sys.path.remove(str(tmp_path))
     assert scores[0] == 1.0 and math.isnan(scores[1]) and stats["reward_fn/errors"] == 0 and not runner.last_failed
