@@ -117,6 +117,20 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through peft (roles/lora.py): off unless rank > 0 or init_path names an adapter folder."""
+
+    rank: int = 0  # 0: the whole model trains
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    dropout: float = 0.0  # on the adapters' input in the update's forward (PPO's ratio then carries its noise)
+    # the modules (last name part, e.g. [q_proj, v_proj]) that get adapters, or all-linear: every linear layer of
+    # the decoder blocks (never the LM or value head)
+    target_modules: str | list[str] = "all-linear"
+    modules_to_save: list[str] = field(default_factory=list)  # modules trained in full beside the adapters
+    init_path: str | None = None  # a peft adapter folder to start from (its rank, alpha and targets then apply)
+
+
+@dataclass
 class ModelConfig:
     path: str = ""  # an HF folder (config.json + safetensors + tokenizer)
     tokenizer_path: str | None = None  # default: the model path
@@ -269,6 +283,7 @@ class ActorConfig:
     model_path: str | None = None  # default: model.path
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # samples per optimizer step over all dp ranks; 0: the whole batch
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward on one rank
@@ -299,6 +314,7 @@ class CriticConfig:
     model_path: str | None = None  # default: model.path (a causal LM backbone; the value head starts fresh)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the value head trains in full beside the adapters
     ppo_epochs: int = 1
     mini_batch_size: int = 0
     micro_batch_tokens: int = 8192
@@ -657,6 +673,15 @@ FOREIGN_NAMES = {
     "trainer.save_freq": "checkpoint.save_every",
     "trainer.test_freq": "run.eval_every",
     "custom_reward_function.path": "reward.functions ([{spec: module.path:function}])",
+    # the objectives (README "Objectives: which paper is which key" maps each value)
+    "loss_type": "actor.loss_agg (grpo: seq-mean-token-mean; dapo, bnpo: token-mean; dr_grpo: "
+                 "seq-mean-token-sum-norm with algorithm.norm_by_std=false; cispo: actor.policy_loss=cispo)",
+    "importance_sampling_level": "actor.policy_loss (sequence: gspo; token: ppo)",
+    "vllm_importance_sampling_mode": "actor.rollout_correction (weight: token/sequence, mask: token/sequence)",
+    "vllm_importance_sampling_cap": "actor.rollout_correction.weight_cap",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss (vanilla: ppo; gspo; cispo)",
+    "algorithm.rollout_correction.rollout_is": "actor.rollout_correction.weight",
+    "algorithm.rollout_correction.rollout_rs": "actor.rollout_correction.mask",
 }
 
 
@@ -844,6 +869,7 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           "both set importance weights; tis_cap is the short form of weight=token, "
                           "weight_cap=tis_cap. Keep one")
     check_objective(cfg)
+    check_lora(cfg, world_size, this_machine)
     if cfg.rollout.engine == "vllm":
         check_vllm(cfg, world_size, this_machine)
     elif cfg.rollout.decode_kernels == "triton":
@@ -995,6 +1021,8 @@ PPO_RANGES = (
     *((f"{role}.optim.{key}", interval) for role in ("actor", "critic") for key, interval in (
         ("lr", "[0, inf)"), ("weight_decay", "[0, inf)"), ("eps", "(0, inf)"), ("warmup_steps", "[0, inf)"),
         ("min_lr_ratio", "[0, 1]"), ("grad_clip", "[0, inf)"))),
+    *((f"{role}.lora.{key}", interval) for role in ("actor", "critic") for key, interval in (
+        ("rank", "[0, inf)"), ("alpha", "(0, inf)"), ("dropout", "[0, 1)"))),
     ("reward.num_workers", "[1, inf)"), ("reward.timeout_s", "(0, inf)"), ("reward.max_error_fraction", "[0, 1]"),
     ("checkpoint.save_every", "[0, inf)"), ("checkpoint.keep_last", "[1, inf)"),
     ("checkpoint.max_skipped_steps", "[1, inf)"),
@@ -1114,6 +1142,38 @@ def _check_positions(cfg: Config, roles: tuple[str, ...]) -> None:
                 f"data.max_prompt_len={cfg.data.max_prompt_len} + rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
                 f" = {longest} tokens: more than the model's max_position_embeddings={limit} ({key}={path!r}); "
                 f"lower them to add up to at most {limit}")
+
+
+def check_lora(cfg: Config, world_size: int, this_machine: bool = True) -> None:
+    """actor.lora / critic.lora: a target list that names something, an adapter folder that exists, no tensor
+    parallelism on the role's pool, and (actor) the native engine on the actor's own ranks, which decodes the merged
+    weights (roles/lora.py)."""
+    pools = pools_of(cfg, world_size)
+    for role in ("actor", "critic"):
+        lora = getattr(cfg, role).lora
+        if lora.rank == 0 and not lora.init_path:
+            continue
+        targets = lora.target_modules
+        if isinstance(targets, list) and not targets:
+            raise ConfigError(f"{role}.lora.target_modules=[]: name the modules to adapt (e.g. [q_proj, v_proj]) or "
+                              "use all-linear")
+        if isinstance(targets, str) and targets != "all-linear":
+            raise ConfigError(f"{role}.lora.target_modules={targets!r}: a list of module names (e.g. [q_proj, "
+                              "v_proj]) or all-linear")
+        if this_machine and lora.init_path and not os.path.isfile(os.path.join(lora.init_path,
+                                                                               "adapter_config.json")):
+            raise ConfigError(f"{role}.lora.init_path={lora.init_path!r}: not a peft adapter folder (no "
+                              "adapter_config.json there)")
+        pool = next((p for p in pools if role in p.roles), None)
+        if pool is not None and pool.tp > 1:
+            where = "placement.tp" if cfg.placement.mode == "colocate" else f"the {pool.name or role} pool's tp"
+            raise ConfigError(f"{role}.lora with {where}={pool.tp}: LoRA runs with FSDP2 only for now (the adapters "
+                              f"are not split by the tensor-parallel plans); use tp=1, or {role}.lora.rank=0")
+    actor = cfg.actor.lora
+    if (actor.rank > 0 or actor.init_path) and world_rollout(cfg):
+        raise ConfigError("actor.lora with rollout.engine=vllm or rollout.ranks=all: the adapters are merged only "
+                          "into the native engine on the actor's ranks; use rollout.engine=native and "
+                          "rollout.ranks=actor (or auto), or actor.lora.rank=0")
 
 
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:

@@ -363,3 +363,16 @@ def test_kl_is_measured_on_the_current_policy_not_the_logging_one():
     moved = [float(batch["policy_logprobs"][b, t] - batch["ref_logprobs"][b, t])
              for b, ts in enumerate(valid_rows(batch["response_mask"])) for t in ts]
     assert m["actor/reward_kl"] == pytest.approx(sum(moved) / len(moved)) and m["actor/reward_kl"] > 0.05
+
+
+def test_trl_and_verl_objective_keys_are_translated_in_the_unknown_key_error():
+    import config as C
+
+    for given, needle in (("loss_type=dr_grpo", "dr_grpo: seq-mean-token-sum-norm with algorithm.norm_by_std=false"),
+                          ("importance_sampling_level=sequence", "actor.policy_loss (sequence: gspo"),
+                          ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor.policy_loss (vanilla: ppo")):
+        with pytest.raises(C.ConfigError, match="unknown key") as err:
+            C.load_config(None, [given])
+        assert needle in str(err.value), err.value
+    for loss_type in TRL_LOSS_TYPES:  # every loss_type the table maps is named in the hint
+        assert f"{loss_type}:" in C.FOREIGN_NAMES["loss_type"] or f"{loss_type}," in C.FOREIGN_NAMES["loss_type"]
