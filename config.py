@@ -546,6 +546,21 @@ def check_given_once(overrides: list[str]) -> None:
         given[key] = item
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: the key {key!r} is given twice in one "
+                                  f"mapping (first on line {seen[key] + 1}); the later would silently override the "
+                                  "earlier: keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None) -> dict:
     """A YAML config; a top-level `base: other.yaml` (relative to this file) is read first and updated by this one.
     named_by: the file whose `base:` names this one (for the messages)."""
@@ -566,7 +581,9 @@ def _read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = Non
         raise ConfigError(f"--config {path}: line {line}, column {column}: byte 0x{data[e.start]:02x} is not UTF-8 "
                           "text (save the file as UTF-8)") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
     if raw is None:
@@ -601,7 +618,9 @@ def _apply_override(raw: dict, item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        node[parts[-1]] = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None
+    except ConfigError as e:
+        raise ConfigError(f"override {item!r}: {e}") from None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); e.g. "

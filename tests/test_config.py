@@ -254,3 +254,20 @@ def test_old_logprobs_need_a_forward_pass_only_when_the_update_cannot_give_them(
         assert reason is not None and needle in reason, (extra, reason)
     with pytest.raises(C.ConfigError, match="actor.old_logprobs"):
         C.load_config(None, ["actor.old_logprobs=sometimes"])
+
+
+def test_a_key_given_twice_in_a_config_file_or_an_override_value_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys silently: a section or a setting written twice trained with one of them
+    and nothing said so."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("run:\n  name: a\n  seed: 1\nactor:\n  optim: {lr: 1.0e-3}\nrun:\n  seed: 2\n")
+    with pytest.raises(C.ConfigError, match=r"twice.yaml: line 6: the key 'run' is given twice in one mapping \(first "
+                                            r"on line 1\)"):
+        C.load_config(str(twice))
+    inline = tmp_path / "inline.yaml"
+    inline.write_text("actor:\n  optim: {lr: 1.0e-3, lr: 2.0e-3}\n")
+    with pytest.raises(C.ConfigError, match="line 2: the key 'lr' is given twice"):
+        C.load_config(str(inline))
+    with pytest.raises(C.ConfigError, match=r"override 'reward.functions=\[\{spec: a, spec: b\}\]': line 1: the key "
+                                            "'spec' is given twice"):
+        C.load_config(None, ["reward.functions=[{spec: a, spec: b}]"])
