@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from parallel.distributed import anyone
 
@@ -48,11 +48,15 @@ def complete_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, "trainer.pt"))]
 
 
+# frozen parameters (a LoRA role's base) are not saved: the run loads them from the model path again
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
 def save_role(path: str, model, optimizer, group, async_save: bool = False):
-    """One trained role (model + optimizer, sharded as they are) into the DCP folder `path`, by its pool's gloo
-    group. async_save: the state is staged to CPU memory now and written by a background thread; returns its
-    future (None when synchronous)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """One trained role (its trained parameters + optimizer, sharded as they are) into the DCP folder `path`, by
+    its pool's gloo group. async_save: the state is staged to CPU memory now and written by a background thread;
+    returns its future (None when synchronous)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     state = {"model": model_sd, "optim": optim_sd}
     if async_save:
         return dcp.async_save(state, checkpoint_id=path, process_group=group)
@@ -61,10 +65,13 @@ def save_role(path: str, model, optimizer, group, async_save: bool = False):
 
 
 def load_role(path: str, model, optimizer, group) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """The trained parameters and the optimizer from `path` (dcp.load fails on any of them missing there); the frozen
+    ones keep what the model path gave them."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
 CHECKSUMS = "checksums.json"

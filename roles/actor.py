@@ -11,6 +11,7 @@ from algo.rollout_correction import correction_weights
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
+from roles.lora import apply_lora
 from roles.modeling import (
     ReplicaSync,
     UpdateMetrics,
@@ -46,6 +47,10 @@ class Actor:
         self.replicas = ReplicaSync(comm_cfg, pool)
         r = rollout_cfg
         model = disable_dropout(load_causal_lm(path, trust_remote_code)).to(device)
+        # LoRA (actor.lora): the adapters train, the base stays frozen in param_dtype; None: the whole model trains
+        self.lora = apply_lora(model, cfg.lora, cfg.fsdp.param_dtype)
+        if self.lora is not None:
+            model = self.lora.model
         # the native engine's fallback decodes through the HF blocks with a KV cache, on which compiled blocks would
         # recompile block by block: they stay eager then
         hf_decode = (r is None or r.engine == "native") and \
@@ -67,8 +72,11 @@ class Actor:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None) -> RolloutOutput:
         """Responses from the native engine on the actor's parameters in place (engine.stats["reshard_s"]: its
-        unshard / reshard time)."""
-        return self.engine.generate(prompts, params, generator)
+        unshard / reshard time). With LoRA the engine reads the base weights with the adapters merged in."""
+        if self.lora is None:
+            return self.engine.generate(prompts, params, generator)
+        with self.lora.merged(self.cfg.fsdp.reshard_after_forward):
+            return self.engine.generate(prompts, params, generator)
 
     @torch.no_grad()
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ from algo.losses import value_loss
 from batch import Batch
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
+from roles.lora import apply_lora, value_head_name
 from roles.modeling import (
     ReplicaSync,
     UpdateMetrics,
@@ -31,8 +32,12 @@ class Critic:
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
         self.replicas = ReplicaSync(comm_cfg, pool)
-        self.model = shard_model(disable_dropout(load_value_model(path, trust_remote_code)).to(device), pool, cfg.fsdp,
-                                 replicate=self.replicas.replicated_by_fsdp)
+        model = disable_dropout(load_value_model(path, trust_remote_code)).to(device)
+        # LoRA (critic.lora): the adapters and the value head train, the backbone stays frozen in param_dtype
+        self.lora = apply_lora(model, cfg.lora, cfg.fsdp.param_dtype, value_head_name(model))
+        if self.lora is not None:
+            model = self.lora.model
+        self.model = shard_model(model, pool, cfg.fsdp, replicate=self.replicas.replicated_by_fsdp)
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.pack = cfg.pack_sequences and packable(self.model)  # micro-batches cut by real tokens, forwards packed
         self.step_count = 0

@@ -1,0 +1,118 @@
+"""LoRA for the actor and critic (roles/lora.py, issue 39): the config's checks, the roles on FSDP2 (1 and 2 gloo
+ranks: tests/dist/lora.py), and real runs of train_ppo.py: a LoRA PPO run learns, resumes exactly, and exports as a
+peft adapter folder and as a merged model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_checkpoint import comparable, config
+from test_ppo import assert_learns, assets, read_metrics, write_config  # noqa: F401  (assets is a fixture)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import config as C
+from conftest import explain, run_python, torchrun
+
+# the tiny model's logits are near uniform (a small random LM head after the final norm): adapters in the blocks alone
+# move the greedy answers (eval) but hardly sharpen the sampled ones, so the LM head gets an adapter too
+LORA = {"lora": {"rank": 8, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj", "lm_head"]}}
+SECTIONS = dict(actor={**LORA, "optim": {"lr": 3e-2}}, critic={**LORA, "optim": {"lr": 3e-2}})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.tp=2"], "actor.lora with placement.tp=2"),
+    (["rollout.engine=vllm"], "merged only into the native engine"),
+    (["actor.lora.target_modules=q_proj"], "a list of module names"),
+    (["actor.lora.target_modules=[]"], "name the modules to adapt"),
+    (["actor.lora.alpha=0"], "actor.lora.alpha=0.0"),
+    (["actor.lora.init_path=/nonexistent"], "not a peft adapter folder"),
+])
+def test_lora_config_refuses_what_it_cannot_run(overrides, message):
+    cfg = C.load_config(None, ["quickstart.enabled=true", "actor.lora.rank=8", "run.device=cpu", *overrides])
+    with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        C.check_lora(cfg, 2) if "alpha" not in message else C.check_ranges(cfg, C.PPO_RANGES)
+
+
+def test_lora_config_keys():
+    cfg = C.load_config(None, ["actor.lora.rank=16", "actor.lora.target_modules=[q_proj,v_proj]",
+                               "critic.lora.init_path=adapters/critic"])
+    assert cfg.actor.lora.rank == 16 and cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.critic.lora.target_modules == "all-linear" and cfg.critic.lora.init_path == "adapters/critic"
+    assert C.load_config(None, []).actor.lora.rank == 0  # off by default
+
+
+def test_lora_roles_on_one_and_two_ranks(tmp_path):
+    proc = torchrun(["tests/dist/lora.py", str(tmp_path)], nproc=2, timeout=400)
+    assert proc.returncode == 0, explain(proc)
+    for rank in (0, 1):
+        assert f"rank {rank} PASS adapters only" in proc.stdout, explain(proc)
+        assert f"rank {rank} PASS merged engine and base reference, 2 ranks" in proc.stdout, explain(proc)
+    assert "PASS same metrics 1 vs 2 ranks" in proc.stdout, explain(proc)
+    assert "rank 0 PASS merged engine and base reference, 1 rank" in proc.stdout, explain(proc)
+
+
+def test_lora_ppo_learns_and_exports_an_adapter_and_a_merged_model(assets, tmp_path):  # noqa: F811
+    from peft import PeftModel
+
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 12}, **SECTIONS)
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    # the reference is the actor's base (adapters off): the adapters start at zero, so the first KL is 0
+    first = next(r for r in rows if "actor/ref_kl" in r)
+    assert abs(first["actor/ref_kl"]) < 1e-6, first
+    assert_learns(rows[1:])
+
+    latest = tmp_path / "runs" / "t" / "checkpoints" / "latest"
+    step = latest.parent / latest.read_text().strip()
+    saved = dcp.FileSystemReader(str(step / "actor")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]  # the adapters only
+    critic_keys = [k for k in dcp.FileSystemReader(str(step / "critic")).read_metadata().state_dict_metadata
+                   if k.startswith("model.")]
+    assert all(".lora_" in k or k.startswith("model.score.") for k in critic_keys), critic_keys
+
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for out, extra in ((adapter, []), (merged, ["--merged"])):
+        proc = run_python(["scripts/export_hf.py", str(latest), "--out", str(out), *extra])
+        assert proc.returncode == 0, explain(proc)
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    base = AutoModelForCausalLM.from_pretrained(assets / "model")
+    models = {"peft adapter": PeftModel.from_pretrained(base, adapter).eval(),
+              "merged": AutoModelForCausalLM.from_pretrained(merged).eval()}
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    final_eval = json.loads((tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()[-1])
+    assert final_eval["step"] == 12
+    for sample in final_eval["samples"]:
+        ids = torch.tensor([tokenizer(sample["prompt"])["input_ids"]])
+        for name, model in models.items():
+            with torch.no_grad():
+                gen = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            text = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+            assert text == sample["response"], (name, sample, text)
+
+
+def test_lora_resume_equals_uninterrupted(assets, tmp_path):  # noqa: F811
+    whole = write_config(tmp_path / "whole.yaml", assets, tmp_path / "whole", run={"total_steps": 4}, **SECTIONS)
+    proc = run_python(["train_ppo.py", "--config", whole])
+    assert proc.returncode == 0, explain(proc)
+    reference = comparable(read_metrics(tmp_path / "whole"))
+    # 3 steps (checkpoints at 2 and 3), step 3's adapters damaged: the resume starts from step 2, as
+    # test_checkpoint's does (the last step's checkpoint comes after the final eval)
+    first = config(tmp_path, assets, "a", run={"total_steps": 3}, checkpoint={"save_every": 2}, **SECTIONS)
+    proc = run_python(["train_ppo.py", "--config", first])
+    assert proc.returncode == 0, explain(proc)
+    shard = next((tmp_path / "runs" / "t" / "checkpoints" / "step_00000003" / "actor").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    second = config(tmp_path, assets, "b", run={"total_steps": 4}, checkpoint={"save_every": 2}, **SECTIONS)
+    proc = run_python(["train_ppo.py", "--config", second])
+    assert proc.returncode == 0, explain(proc)
+    assert "resumed from" in proc.stderr and "step_00000002 (step 2)" in proc.stderr, explain(proc)
+    rows = comparable(read_metrics(tmp_path / "runs"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[3:] == reference[3:]
