@@ -55,7 +55,7 @@ def test_lora_roles_on_one_and_two_ranks(tmp_path):
     assert "rank 0 PASS merged engine and base reference, 1 rank" in proc.stdout, explain(proc)
 
 
-def test_lora_ppo_learns_and_exports_an_adapter_and_a_merged_model(assets, tmp_path):  # noqa: F811
+def test_lora_ppo_learns_exports_an_adapter_and_a_merged_model_and_starts_from_it(assets, tmp_path):  # noqa: F811
     from peft import PeftModel
 
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 12}, **SECTIONS)
@@ -95,6 +95,15 @@ def test_lora_ppo_learns_and_exports_an_adapter_and_a_merged_model(assets, tmp_p
                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
             text = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
             assert text == sample["response"], (name, sample, text)
+
+    # the exported adapter as the start of another run (actor.lora.init_path): its eval before any step is the
+    # first run's final eval
+    again = write_config(tmp_path / "again.yaml", assets, tmp_path / "again", run={"total_steps": 1},
+                         actor={"lora": {"init_path": str(adapter)}})
+    proc = run_python(["train_ppo.py", "--config", again], timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    start = read_metrics(tmp_path / "again")[0]
+    assert start["step"] == 0 and start["eval/score/mean"] == rows[-1]["eval/score/mean"], (start, rows[-1])
 
 
 def test_lora_resume_equals_uninterrupted(assets, tmp_path):  # noqa: F811
