@@ -64,6 +64,12 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
   a rank's sequences).
   vLLM: rollout.gpu_memory_utilization x GPU on top of the training state; it sleeps between rollouts, so the
   other phases count none of it.
+- LoRA (actor.lora / critic.lora, roles/lora.py): the frozen base in param_dtype (b bytes an element); the adapters
+  (A [rank, in] and B [out, rank] per targeted weight of the blocks, or of the LM head when named) and the trained
+  copies of modules_to_save (the critic's value head among them) in float32, with gradients and AdamW state for them
+  alone; FSDP2 shards both on dim 0 as above. A reference that is the LoRA actor's base on the actor's pool holds no
+  parameters of its own (roles/lora.BaseReference). Activations are counted as without LoRA (the adapters' r-wide
+  intermediates are within the margin).
 A rank's peak is its largest phase: the resident state (every hosted role's parameters and optimizer state) plus
 what the phase adds: `rollout` the engine; `<role> update` gradients, working set and activations; `<role> forward`
 working set and forward activations. Not counted (leave a few GiB): the CUDA context, NCCL buffers, allocator
@@ -80,7 +86,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import yaml
 
@@ -299,6 +305,38 @@ def micro_batch_tokens(cfg: C.Config, budget: int, rows: int) -> int:
     return max(1, min(budget // row_width(cfg), rows)) * row_width(cfg)
 
 
+def lora_settings(lora) -> tuple[int, str | list[str]] | None:
+    """(rank, target modules) of config.LoraConfig, read from its init_path's adapter_config.json when it names one
+    (that folder's settings apply); None: no LoRA."""
+    if lora.init_path:
+        path = os.path.join(lora.init_path, "adapter_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                saved = json.load(f)
+            return int(saved["r"]), saved["target_modules"]
+        return (lora.rank or 8), lora.target_modules  # not on this machine: the config's settings stand in
+    return (lora.rank, lora.target_modules) if lora.rank > 0 else None
+
+
+def lora_shapes(lora, m: ModelShape, value_head: bool) -> tuple[ModelShape, ModelShape] | None:
+    """(the adapters, the trained copies of modules_to_save) as parameter lists of `m`'s form; None without LoRA."""
+    settings = lora_settings(lora)
+    if settings is None:
+        return None
+    rank, targets = settings
+    saved_names = set(lora.modules_to_save) | ({"score", "classifier"} if value_head else set())
+    adapters, saved = [], []
+    for name, shape, layer, _ in m.params:
+        module = name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> q_proj
+        wanted = (layer is not None and len(shape) == 2) if targets == "all-linear" else module in targets
+        if wanted and name.endswith(".weight") and len(shape) == 2:
+            adapters += [(f"{name}.lora_A", (rank, shape[1]), layer, None),
+                         (f"{name}.lora_B", (shape[0], rank), layer, None)]
+        if module in saved_names:
+            saved.append((name, shape, layer, None))
+    return replace(m, params=adapters), replace(m, params=saved)
+
+
 def role_plan(cfg: C.Config, role: str, m: ModelShape, tp: int, shard: int, dp: int) -> RolePlan:
     """`role` on one rank of a pool with these tp and dp_shard degrees and dp data-parallel ranks."""
     section = getattr(cfg, role)
@@ -312,12 +350,20 @@ def role_plan(cfg: C.Config, role: str, m: ModelShape, tp: int, shard: int, dp: 
     params = 4 * m.local_numel(tp, shard)
     grads = params if trained else 0
     optim = 2 * params + 4 * len(m.params) if trained else 0
+    root, block = m.local_numel(tp, 1, lambda layer: layer is None), m.block_numel(tp)
+    unsharded_grads = (root + block) * (b + (r if r != b else 0))
+    lora = lora_shapes(section.lora, m, m.kind == "value") if trained else None
+    if lora is not None:  # the frozen base in param_dtype; the adapters and saved copies train in float32
+        adapters, saved = lora
+        trains = 4 * (adapters.local_numel(tp, shard) + saved.local_numel(tp, shard))
+        params = b * m.local_numel(tp, shard) + trains
+        grads, optim = trains, 2 * trains + 4 * (len(adapters.params) + len(saved.params))
+        unsharded = sum(part.local_numel(tp, 1, lambda layer: layer is None) + part.block_numel(tp) for part in lora)
+        unsharded_grads = unsharded * (b + (r if r != b else 0))
     host = 0
     if fsdp.cpu_offload:
         host, params, grads, optim = params + grads + optim, 0, 0, 0
-    root, block = m.local_numel(tp, 1, lambda layer: layer is None), m.block_numel(tp)
     gathered = m.local_numel(tp, 1) if not fsdp.reshard_after_forward else root + 2 * block
-    unsharded_grads = (root + block) * (b + (r if r != b else 0))
     width = row_width(cfg)
     full, ckpt, _ = activation_bytes(m, micro_batch_tokens(cfg, budget, _ceil_div(local, minis)), width, tp, b)
     rows = sequences_per_rank(cfg, dp) if role == "reward" else local  # the reward also scores evaluations
@@ -472,11 +518,19 @@ def world_engines(cfg: C.Config, world: int) -> int | None:
     return actor.size // actor.tp + world - actor.size
 
 
+def base_reference(cfg: C.Config) -> bool:
+    """Whether the reference, on the actor's pool, is the LoRA actor's base (train_ppo.PPOTrainer's rule)."""
+    actor_path = cfg.actor.model_path or cfg.model.path
+    return lora_settings(cfg.actor.lora) is not None and cfg.reference.model_path in (None, actor_path)
+
+
 def pool_plan(cfg: C.Config, models: dict, pool: C.PoolConfig, index: int, first_rank: int, gpu: int,
               engines: int | None = None) -> PoolPlan:
     dp_shard = pool.size // (pool.tp * pool.dp_replicate)
     roles = {r: role_plan(cfg, r, models[r], pool.tp, dp_shard, pool.size // pool.tp) if models[r] else None
              for r in C.ROLES if r in pool.roles and r in models}
+    if roles.get("reference") and roles.get("actor") and base_reference(cfg):
+        roles["reference"] = replace(roles["reference"], params=0, host=0)  # the actor's own base, adapters off
     resident = sum(p.params + p.optim for p in roles.values() if p)
     generates = "actor" in roles or engines is not None  # engines: the rollout spans the world
     engine = engine_plan(cfg, models["actor"], pool, resident, gpu, engines) if generates else None

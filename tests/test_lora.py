@@ -125,3 +125,49 @@ def test_lora_resume_equals_uninterrupted(assets, tmp_path):  # noqa: F811
     rows = comparable(read_metrics(tmp_path / "runs"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert rows[3:] == reference[3:]
+
+
+@pytest.mark.parametrize("role,dtype", [("actor", "float32"), ("actor", "bfloat16"), ("critic", "float32")])
+def test_planner_counts_base_and_adapters_as_allocated(tmp_path, role, dtype):
+    from test_plan import allocated, one_step, tiny_model
+
+    import plan as P
+    from roles.lora import apply_lora, value_head_name
+    from roles.modeling import load_causal_lm, load_value_model, make_optimizer
+
+    path = tiny_model(tmp_path / "m")
+    cfg = C.load_config(None, [f"model.path={path}", f"{role}.lora.rank=4", f"{role}.fsdp.param_dtype={dtype}",
+                               f"{role}.lora.target_modules=[q_proj,v_proj,down_proj]"])
+    model = (load_causal_lm if role == "actor" else load_value_model)(path)
+    section = getattr(cfg, role)
+    adapters = apply_lora(model, section.lora, dtype, value_head_name(model) if role == "critic" else None)
+    optimizer = make_optimizer(adapters.model, section.optim)
+    planned = P.role_plan(cfg, role, P.model_shape(path, "lm" if role == "actor" else "value", "model.path"), 1, 1, 1)
+    if dtype == "float32":  # the CPU forward needs one dtype (FSDP2's mixed precision casts on GPUs)
+        one_step(adapters.model, optimizer)
+        assert (planned.params, planned.grads, planned.optim) == allocated(adapters.model, optimizer)
+    else:
+        assert planned.params == allocated(adapters.model, optimizer)[0]
+    full = P.role_plan(C.load_config(None, [f"model.path={path}"]), role,
+                       P.model_shape(path, "lm" if role == "actor" else "value", "model.path"), 1, 1, 1)
+    assert planned.optim < full.optim / 10
+
+
+def test_planner_fits_a_7b_lora_grpo_on_one_gpu_where_full_training_does_not(tmp_path):
+    import plan as P
+
+    arch = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+            "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
+            "vocab_size": 152064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(arch))
+    grpo = ["algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false", "algorithm.kl.in_loss=true",
+            f"model.path={tmp_path}", "data.batch_size=8", "rollout.n=4", "data.max_prompt_len=512",
+            "rollout.max_new_tokens=512", "actor.micro_batch_tokens=2048", "actor.fsdp.activation_checkpointing=true",
+            "reward.functions=[{spec: gsm8k}]", "rollout.max_num_seqs=32"]
+    lora = P.make_plan(C.load_config(None, [*grpo, "actor.lora.rank=16"]), 1, 141 * P.GiB)
+    full = P.make_plan(C.load_config(None, grpo), 1, 141 * P.GiB)
+    (pool,), (full_pool,) = lora.pools, full.pools
+    assert pool.roles["reference"].params == 0  # the actor's base, adapters off
+    assert pool.fits(141 * P.GiB) and not full_pool.fits(141 * P.GiB), (pool.peak / P.GiB, full_pool.peak / P.GiB)
+    base = 7.6e9 * 2  # the frozen base in bf16
+    assert base < pool.roles["actor"].params < base * 1.05
