@@ -120,7 +120,8 @@ def _import_file(path: str):
 
 
 def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
-    """The function a spec names: a builtin ("gsm8k", "exact_match") or "module.path:function"."""
+    """The function a spec names: a builtin ("gsm8k", "exact_match"), "module.path:function" or
+    "path/to/file.py:function"."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     module_name, function_name = _check_spec(spec)
@@ -172,9 +173,10 @@ def reward_convention(function: Callable, spec: str) -> str:
 
 
 def bind_reward(function: Callable, convention: str) -> Callable[..., list]:
-    """`call(responses, ground_truths, prompts, columns, extras)`: the rewards of a chunk of samples under
+    """`call(responses, ground_truths, prompts, columns, extras, state=None)`: the rewards of a chunk of samples under
     `convention`, one per sample (columns: each sample's other data columns by name; extras: "messages", the prompt's
-    chat messages when it was given as such, and "completion_ids", the response's token ids, for TRL's functions).
+    chat messages when it was given as such, and "completion_ids", the response's token ids; state: TRL's
+    trainer_state fields; the last two for TRL's functions).
     A TRL-style function gets the whole chunk in one call, as TRL calls it; the others one sample at a time. The
     keywords a TRL or verl function accepts are read once, here, not per sample."""
     if convention == "meshrl":
