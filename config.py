@@ -1109,6 +1109,7 @@ def check_objective(cfg: Config) -> None:
 def check_sft(cfg: Config, world_size: int) -> None:
     """Everything train_sft.py needs: one pool of all ranks for the model being fine-tuned."""
     check_world(cfg, world_size, ())
+    check_lora(cfg, world_size)
     _check_found([("sft.train_path", cfg.sft.train_path), ("model.path", cfg.model.path)])
 
 

@@ -93,7 +93,8 @@ class Adapters:
     @torch.no_grad()
     def merged(self, reshard_after_forward: bool = True):
         """Inside the block the model's (unsharded) base weights hold the adapters merged in, and the trained
-        copies of `modules_to_save` in their originals' place: what an engine reading the base weights decodes with.
+        copies of `modules_to_save` in their originals' place, and the adapters off: what an engine reading the base
+        weights, or calling the model's forward, decodes with.
         The parameters stay unsharded (FSDP2) until the caller reshards them; on leaving, those gathered buffers are
         freed, and the sharded base, never written, is what the next unshard gathers again. Without FSDP2 the base
         tensors are written in place and put back from a copy on leaving. reshard_after_forward: the FSDP2 setting
@@ -111,7 +112,12 @@ class Adapters:
                 w = layer.get_base_layer().weight
                 if not fsdp:
                     saved.append((w, w.detach().clone()))
-                delta = layer.get_delta_weight(ADAPTER).float()
+                linear = isinstance(layer.get_base_layer(), nn.Linear) and not getattr(layer, "fan_in_fan_out", False)
+                if linear and ADAPTER in layer.lora_A:  # B @ A in float32 (peft's own keeps the weights' dtype)
+                    a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+                    delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]
+                else:
+                    delta = layer.get_delta_weight(ADAPTER).float()
                 w.detach().copy_((w.detach().float() + delta).to(w.dtype))
             for wrapper in self.saved_modules():
                 trained = dict(wrapper.modules_to_save[ADAPTER].named_parameters())
@@ -119,7 +125,9 @@ class Adapters:
                     if not fsdp:
                         saved.append((p, p.detach().clone()))
                     p.detach().copy_(trained[name].detach().to(p.dtype))
-            yield
+            # the adapters off: a forward through the modules (the engine's HF-forward path) must not add them twice
+            with self.peft.disable_adapter():
+                yield
         finally:
             for tensor, original in saved:
                 tensor.detach().copy_(original)
@@ -156,3 +164,23 @@ class BaseReference(Reference):
         self.model.eval()
         with self.adapters.disabled():
             return super().log_probs(batch, temperature)
+
+
+def save_adapter_folder(adapters: Adapters, base_path: str, lora_cfg, tokenizer, out: str, rank: int,
+                        trust_remote_code: bool = False) -> None:
+    """Gather the trained tensors of a sharded LoRA model to rank 0 and write there the peft adapter folder (and the
+    tokenizer) that `actor.lora.init_path` (or `PeftModel.from_pretrained`) starts from: a fresh float32 base from
+    `base_path` with the same adapters, loaded with them. Every rank calls (the gather is a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from roles.modeling import load_causal_lm
+
+    state = get_model_state_dict(adapters.model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    if rank != 0:
+        return
+    fresh = Adapters(load_causal_lm(base_path, trust_remote_code), lora_cfg, "float32")
+    result = fresh.model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys and not set(state) & set(result.missing_keys), result
+    fresh.save(out)
+    tokenizer.save_pretrained(out)

@@ -6,7 +6,8 @@ argument; prints 'PASS <check>'.
 - one update of the actor and of the critic logs the same metrics on 1 rank and on 2 (FSDP2 shards the base) and
   ends at the same adapters;
 - the native engine decodes the merged weights: its log-probs equal the trainer's teacher-forced ones with the
-  adapters on (float32), on 1 rank and on 2, and the sharded base is bit-for-bit what it was;
+  adapters on (float32), on 1 rank and on 2, on the slot engine and on the HF-forward path, and the sharded base is
+  bit-for-bit what it was;
 - the reference as the actor with its adapters disabled equals a reference loaded from the base model."""
 
 from __future__ import annotations
@@ -129,13 +130,18 @@ def main() -> None:
     gen_cfg = C.load_config(None, [*LORA, "actor.fsdp.param_dtype=float32", "reference.fsdp.param_dtype=float32"])
     params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, n=2, stop_token_ids=[])
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    for name, pool, mine in (("1 rank", solo.pools[0], prompts), ("2 ranks", pair.pools[0], prompts[rank::2])):
+    hf_forward = C.load_config(None, [*LORA, "actor.fsdp.param_dtype=float32", "rollout.compact_forward=false"])
+    for name, pool, mine, rollout in (("1 rank", solo.pools[0], prompts, gen_cfg.rollout),
+                                      ("2 ranks", pair.pools[0], prompts[rank::2], gen_cfg.rollout),
+                                      ("2 ranks HF forward", pair.pools[0], prompts[rank::2], hf_forward.rollout)):
         if not pool.has(rank):
             continue
-        a = Actor(model_path, gen_cfg.actor, pool, cpu, 0, 10, comm_cfg=gen_cfg.comm, rollout_cfg=gen_cfg.rollout)
+        a = Actor(model_path, gen_cfg.actor, pool, cpu, 0, 10, comm_cfg=gen_cfg.comm, rollout_cfg=rollout)
+        assert (a.engine.slots is None) == (rollout is hf_forward.rollout)
         shake_adapters(a, 11)
         before = {n: p.to_local().clone() for n, p in a.model.named_parameters()}
-        plain = a.engine.generate(mine, params, torch.Generator().manual_seed(0))  # the base alone, unmerged
+        with a.lora.disabled():  # the base alone (the HF-forward path calls the modules, adapters and all)
+            plain = a.engine.generate(mine, params, torch.Generator().manual_seed(0))
         out = a.generate(mine, params, torch.Generator().manual_seed(0))
         for n, p in a.model.named_parameters():
             assert torch.equal(p.to_local(), before[n]), f"{name}: generate changed {n}"
