@@ -90,7 +90,7 @@ def floor_ms(model, batch: int, mean_context: float) -> float:
     """The memory-bound floor of one decode step: every weight read once plus the live KV cache, at copy bandwidth."""
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
     return (weight_bytes + batch * mean_context * kv_per_token) / COPY_BANDWIDTH * 1e3
 

@@ -67,7 +67,7 @@ def test_attention_kernel_bench_compares_another_kernels_file(tmp_path):
     """bench/attention_kernel.py --device cpu (Triton's interpreter, tiny shapes): a baseline that is this tree's
     kernels.py reads "yes" in the last column, one whose rotary embedding has the wrong sign "NO"."""
     source = (ROOT / "rollout" / "kernels.py").read_text()
-    sign = "sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)"
+    sign = "sign = tl.where(d < ROTARY_DIM // 2, -1.0, 1.0)"
     wrong = source.replace(sign, sign.replace("-1.0", "1.0"))
     assert wrong != source
     for name, text, verdict in (("same.py", source, "yes"), ("wrong.py", wrong, "NO")):
