@@ -198,35 +198,44 @@ def test_windowed_families_decode_through_the_kernel_as_through_torch(name):
     torch.testing.assert_close(outs["triton"].logprobs, outs["torch"].logprobs, atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def qwen3_assets(tmp_path_factory):
-    """A tiny Qwen3 sized to the char tokenizer, saved with it, and the addition data set."""
+def save_family_assets(root, name: str):
+    """A tiny model of family `name` (a FAMILIES entry, resized to the char tokenizer and 2-4 small layers), saved
+    with the tokenizer, and the addition data set, under `root`."""
     from tasks.char_tokenizer import build_char_tokenizer
     from tasks.synthetic import write_addition_dataset
 
-    root = tmp_path_factory.mktemp("qwen3_assets")
     tokenizer = build_char_tokenizer("0123456789+=")
+    config = FAMILIES[name]()
+    config.vocab_size = len(tokenizer)
+    config.max_position_embeddings = 64
+    config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     write_addition_dataset(root, n_train=16, n_test=4, seed=0, digits=(1, 1))
     return root
 
 
-@pytest.mark.parametrize("ranks, placement", [(1, {}), (2, {"mode": "colocate"}), (2, {"mode": "colocate", "tp": 2})],
-                         ids=["1-rank", "fsdp2-2-ranks", "tp2"])
-def test_one_ppo_step_on_qwen3_decodes_natively(qwen3_assets, tmp_path, ranks, placement):
-    """train_ppo.py, one PPO step on Qwen3: 1 process, 2 gloo ranks under FSDP2, 2 under TP=2 (q/k norms replicated,
-    each rank norming its own heads). The rollout takes the slot engine (no fallback warning, gen_decode timed) and its
-    log-probs are the actor's teacher-forced ones."""
+@pytest.mark.parametrize("name, ranks, placement, algorithm", [
+    ("qwen3", 1, {}, {}),
+    ("qwen3", 2, {"mode": "colocate"}, {}),
+    ("qwen3", 2, {"mode": "colocate", "tp": 2}, {}),
+    # GRPO: no critic, as transformers has no token-classification head for Gemma 3 text or OLMo 2
+    ("gemma3", 2, {"mode": "colocate", "tp": 2}, {"adv_estimator": "grpo"}),
+    ("olmo2", 2, {"mode": "colocate"}, {"adv_estimator": "grpo"}),
+], ids=["qwen3-1-rank", "qwen3-fsdp2", "qwen3-tp2", "gemma3-tp2", "olmo2-fsdp2"])
+def test_one_ppo_step_decodes_natively(tmp_path, name, ranks, placement, algorithm):
+    """train_ppo.py, one step: 1 process, 2 gloo ranks under FSDP2, 2 under TP=2 (per-head q/k norms replicated, each
+    rank norming its own heads; Gemma 3's sandwich norms and sliding layers too). The rollout takes the slot engine
+    (no fallback warning, gen_decode timed) and its log-probs are the actor's teacher-forced ones."""
     from test_ppo import write_config
 
-    cfg = write_config(tmp_path / "c.yaml", qwen3_assets, tmp_path / "runs", run={"total_steps": 1},
-                       **({"placement": placement} if placement else {}))
+    assets = save_family_assets(tmp_path, name)
+    sections = {"placement": placement} if placement else {}
+    if algorithm:
+        sections["algorithm"] = algorithm
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 1}, **sections)
     if ranks == 1:
         proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     else:
