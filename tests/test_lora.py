@@ -107,6 +107,21 @@ def test_lora_ppo_learns_exports_an_adapter_and_a_merged_model_and_starts_from_i
     assert start["step"] == 0 and start["eval/score/mean"] == rows[-1]["eval/score/mean"], (start, rows[-1])
 
 
+def test_lora_grpo_colocate_two_ranks_learns(assets, tmp_path):  # noqa: F811
+    # FSDP2 over 2 ranks through train_ppo.py; the KL loss against the actor's base (adapters off) on the same shards
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 12},
+                       algorithm={"adv_estimator": "grpo",
+                                  "kl": {"in_reward": False, "in_loss": True, "loss_kind": "k3"}},
+                       actor=SECTIONS["actor"])
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=400)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")
+    # before the first update the policy is the base (the adapters start at zero); the updates move it away
+    assert "critic/vf_loss" not in rows[1] and rows[1]["actor/ref_kl"] == pytest.approx(0, abs=1e-6)
+    assert rows[-1]["actor/ref_kl"] > 1e-2 and rows[-1]["actor/kl_loss"] > 1e-2
+    assert_learns(rows[1:])
+
+
 def test_lora_resume_equals_uninterrupted(assets, tmp_path):  # noqa: F811
     whole = write_config(tmp_path / "whole.yaml", assets, tmp_path / "whole", run={"total_steps": 4}, **SECTIONS)
     proc = run_python(["train_ppo.py", "--config", whole])
