@@ -218,3 +218,27 @@ def test_lora_sft_on_two_ranks_saves_an_adapter_that_learned(tmp_path):
         after = PeftModel.from_pretrained(before, tmp_path / "out").eval()
         loss_after = sft_loss(after, encoded, torch.device("cpu")).item()
     assert loss_after < 0.5 * loss_before, (loss_before, loss_after)
+
+
+def test_lora_sigterm_saves_the_adapters_and_the_resume_continues_exactly(assets, tmp_path):  # noqa: F811
+    import signal
+
+    from conftest import start_run_and_wait
+
+    cfg = config(tmp_path, assets, "c", run={"total_steps": 200}, **SECTIONS)
+    proc = start_run_and_wait(cfg, tmp_path / "runs" / "t" / "metrics.jsonl", lines=3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-4000:]
+    last = read_metrics(tmp_path / "runs")[-1]["step"]
+    assert 2 <= last < 200, last
+    done = config(tmp_path, assets, "d", run={"total_steps": last + 2}, **SECTIONS)
+    proc = run_python(["train_ppo.py", "--config", done])
+    assert proc.returncode == 0 and f"(step {last})" in proc.stderr, explain(proc)
+    whole = write_config(tmp_path / "whole.yaml", assets, tmp_path / "whole", run={"total_steps": last + 2},
+                         **SECTIONS)
+    proc = run_python(["train_ppo.py", "--config", whole])
+    assert proc.returncode == 0, explain(proc)
+    rows, reference = comparable(read_metrics(tmp_path / "runs")), comparable(read_metrics(tmp_path / "whole"))
+    assert [r["step"] for r in rows] == list(range(last + 3))
+    assert rows[last + 1:] == reference[last + 1:]
