@@ -97,6 +97,20 @@ def test_lora_ppo_learns_exports_an_adapter_and_a_merged_model_and_starts_from_i
             text = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
             assert text == sample["response"], (name, sample, text)
 
+    # the critic's adapters and trained value head: the peft folder on the base and the merged model give one value
+    from roles.modeling import load_value_model
+
+    critic_adapter, critic_merged = tmp_path / "critic_adapter", tmp_path / "critic_merged"
+    for out, extra in ((critic_adapter, []), (critic_merged, ["--merged"])):
+        proc = run_python(["scripts/export_hf.py", str(latest), "--out", str(out), "--role", "critic", *extra])
+        assert proc.returncode == 0, explain(proc)
+    ids = torch.tensor([tokenizer("3+4=7")["input_ids"]])
+    with torch.no_grad():
+        via_peft = PeftModel.from_pretrained(load_value_model(str(assets / "model")), critic_adapter).eval()(
+            input_ids=ids).logits
+        merged_values = load_value_model(str(critic_merged)).eval()(input_ids=ids).logits
+    torch.testing.assert_close(via_peft, merged_values, rtol=1e-4, atol=1e-5)
+
     # the exported adapter as the start of another run (actor.lora.init_path): its eval before any step is the
     # first run's final eval
     again = write_config(tmp_path / "again.yaml", assets, tmp_path / "again", run={"total_steps": 1},
