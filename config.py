@@ -496,6 +496,9 @@ RESUME_PROTECTED = (
     "teacher.model_path", "reward.model_path", "data.train_path", "data.rollouts_path", "data.prompt_key",
     "data.batch_size", "data.shuffle", "rollout.n", "algorithm.adv_estimator", "quickstart.hidden_size",
     "quickstart.num_layers",
+    # the adapters' shapes and scale (a checkpoint holds the adapters alone: another alpha would rescale them silently)
+    *(f"{role}.lora.{key}" for role in ("actor", "critic") for key in ("rank", "alpha", "target_modules",
+                                                                        "modules_to_save")),
 )
 
 

@@ -155,6 +155,11 @@ def test_lora_resume_equals_uninterrupted(assets, tmp_path):  # noqa: F811
     rows = comparable(read_metrics(tmp_path / "runs"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert rows[3:] == reference[3:]
+    # another alpha would rescale the saved adapters: refused on resume (exit 2), nothing trained
+    rescaled = {**SECTIONS, "actor": {**SECTIONS["actor"], "lora": {**LORA["lora"], "alpha": 64}}}
+    third = config(tmp_path, assets, "c", run={"total_steps": 6}, checkpoint={"save_every": 2}, **rescaled)
+    proc = run_python(["train_ppo.py", "--config", third])
+    assert proc.returncode == 2 and "actor.lora.alpha: 32.0 -> 64.0" in proc.stderr, explain(proc)
 
 
 @pytest.mark.parametrize("role,dtype", [("actor", "float32"), ("actor", "bfloat16"), ("critic", "float32")])
