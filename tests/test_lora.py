@@ -208,35 +208,7 @@ def test_planner_fits_a_7b_lora_grpo_on_one_gpu_where_full_training_does_not(tmp
     assert base < pool.roles["actor"].params < base * 1.05
 
 
-def test_lora_sft_on_two_ranks_saves_an_adapter_that_learned(tmp_path):
-    import yaml
-    from peft import PeftModel
-
-    from roles.sft import encode_pairs, sft_loss
-    from tasks.char_tokenizer import build_char_tokenizer
-    from tasks.tiny_model import save_tiny_model
-
-    tokenizer = build_char_tokenizer("0123456789+=")
-    save_tiny_model(tmp_path / "init", tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                    intermediate_size=64, max_position_embeddings=64, seed=0)
-    pairs = [{"prompt": f"{a}+{a}=", "response": str(2 * a)} for a in range(10)]
-    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    cfg = {"run": {"device": "cpu", "seed": 0}, "model": {"path": str(tmp_path / "init")},
-           "actor": {"fsdp": {"param_dtype": "float32"}, **LORA},
-           "sft": {"train_path": str(tmp_path / "sft.jsonl"), "steps": 60, "batch_size": 8, "lr": 1e-2,
-                   "output_dir": str(tmp_path / "out")}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    proc = torchrun(["train_sft.py", "--config", str(tmp_path / "c.yaml")], nproc=2, timeout=300)
-    assert proc.returncode == 0, explain(proc)
-    assert (tmp_path / "out" / "adapter_config.json").is_file() and not (tmp_path / "out" / "config.json").exists()
-
-    encoded = encode_pairs(pairs, tokenizer)
-    before = AutoModelForCausalLM.from_pretrained(tmp_path / "init")
-    with torch.no_grad():
-        loss_before = sft_loss(before, encoded, torch.device("cpu")).item()
-        after = PeftModel.from_pretrained(before, tmp_path / "out").eval()
-        loss_after = sft_loss(after, encoded, torch.device("cpu")).item()
-    assert loss_after < 0.5 * loss_before, (loss_before, loss_after)
+# LoRA SFT on two ranks: tests/test_sft.py (parametrised over full and LoRA training)
 
 
 def test_lora_sigterm_saves_the_adapters_and_the_resume_continues_exactly(assets, tmp_path):  # noqa: F811

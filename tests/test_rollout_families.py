@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from test_rollout_native import responses, teacher_forced_logprobs
+from test_rollout_native import hf_greedy, responses, teacher_forced_logprobs
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -74,12 +74,6 @@ def tiny_model(name: str) -> torch.nn.Module:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def model(request):
     return tiny_model(request.param)
-
-
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
-    return out[0, len(prompt):].tolist()
 
 
 def test_takes_the_compact_forward(model):

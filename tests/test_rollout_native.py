@@ -45,6 +45,13 @@ def responses(out) -> list[list[int]]:
     return [ids[: int(m.sum())].tolist() for ids, m in zip(out.response_ids, out.response_mask)]
 
 
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """HF `generate`'s greedy continuation of one prompt: the reference the engines' greedy tokens must equal."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
+    return out[0, len(prompt):].tolist()
+
+
 def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
     """[len(response)] log_softmax(logits / temperature) at the response tokens, from one unpadded forward."""
     with torch.no_grad():

@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from test_rollout_native import PAD, PROMPTS, VOCAB, responses, teacher_forced_logprobs, tiny_model
+from test_rollout_native import PAD, PROMPTS, VOCAB, hf_greedy, responses, teacher_forced_logprobs, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
@@ -24,12 +24,6 @@ from rollout.sampling import gumbel_noise, sample_with_noise
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def model(request):
     return tiny_model(request.param)
-
-
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
-    return out[0, len(prompt):].tolist()
 
 
 def test_picks_the_slot_path_and_falls_back_for_other_architectures(model):

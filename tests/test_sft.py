@@ -15,14 +15,19 @@ from tasks.char_tokenizer import build_char_tokenizer
 from tasks.tiny_model import save_tiny_model
 
 
-def test_sft_two_ranks_saves_a_loadable_model_that_learned(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sft_two_ranks_saves_a_loadable_model_that_learned(tmp_path, lora):
+    """The full model saves as an HF folder; with actor.lora (tests/test_lora.py's adapters) an adapter folder only,
+    which peft puts on the start model."""
+    from test_lora import LORA
+
     tokenizer = build_char_tokenizer("0123456789+=")
     save_tiny_model(tmp_path / "init", tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=64, max_position_embeddings=64, seed=0)
     pairs = [{"prompt": f"{a}+{a}=", "response": str(2 * a)} for a in range(10)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     cfg = {"run": {"device": "cpu", "seed": 0}, "model": {"path": str(tmp_path / "init")},
-           "actor": {"fsdp": {"param_dtype": "float32"}},
+           "actor": {"fsdp": {"param_dtype": "float32"}, **(LORA if lora else {})},
            "sft": {"train_path": str(tmp_path / "sft.jsonl"), "steps": 60, "batch_size": 8, "lr": 1e-2,
                    "output_dir": str(tmp_path / "out")}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
@@ -31,10 +36,17 @@ def test_sft_two_ranks_saves_a_loadable_model_that_learned(tmp_path):
 
     encoded = encode_pairs(pairs, tokenizer)
     before = AutoModelForCausalLM.from_pretrained(tmp_path / "init")
-    after = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    assert AutoTokenizer.from_pretrained(tmp_path / "out").encode("12+3=") == tokenizer.encode("12+3=")
     with torch.no_grad():
         loss_before = sft_loss(before, encoded, torch.device("cpu")).item()
+    if lora:
+        from peft import PeftModel
+
+        assert (tmp_path / "out" / "adapter_config.json").is_file() and not (tmp_path / "out" / "config.json").exists()
+        after = PeftModel.from_pretrained(before, tmp_path / "out").eval()
+    else:
+        after = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+        assert AutoTokenizer.from_pretrained(tmp_path / "out").encode("12+3=") == tokenizer.encode("12+3=")
+    with torch.no_grad():
         loss_after = sft_loss(after, encoded, torch.device("cpu")).item()
     # 10 pairs, 60 steps at lr 1e-2: memorised, far below the ~ln(16) of a random model
     assert loss_after < 0.5 * loss_before, (loss_before, loss_after)

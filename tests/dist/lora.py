@@ -12,25 +12,19 @@ argument; prints 'PASS <check>'.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
-import torch.distributed as dist
 
 import config as C
 from monitor import gather_metrics
-from parallel.distributed import init_distributed
-from parallel.layout import build_layout
 from roles.actor import Actor
 from roles.critic import Critic
 from roles.lora import BaseReference
 from roles.reference import Reference
 from rollout.api import SamplingParams
-from tasks.char_tokenizer import build_char_tokenizer
-from tasks.tiny_model import save_tiny_model
 from tests.dist.report import run_worker, say
-from tests.dist.same_metrics import RESP, make_batch
+from tests.dist.same_metrics import RESP, close, make_batch, one_and_two_ranks
 from train_ppo import rollout_batch
 
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "critic.lora.rank=4", "critic.lora.alpha=8",
@@ -53,22 +47,8 @@ def _shard_like(full: torch.Tensor, param) -> torch.Tensor:
     return distribute_tensor(full, param.device_mesh, param.placements) if hasattr(param, "device_mesh") else full
 
 
-def close(a: float, b: float, key: str) -> None:
-    assert math.isclose(a, b, rel_tol=2e-4, abs_tol=1e-6), f"{key}: 1 rank {a} vs 2 ranks {b}"
-
-
 def main() -> None:
-    info = init_distributed("gloo", timeout_s=120, device="cpu")
-    rank = info.rank
-    assert info.world_size == 2, "run with --nproc_per_node 2"
-    model_path = f"{sys.argv[1]}/model"
-    if rank == 0:
-        tokenizer = build_char_tokenizer("0123456789+=")
-        save_tiny_model(model_path, tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, seed=0)
-    dist.barrier()
-    solo = build_layout([C.PoolConfig("solo", 1, ["actor", "critic"]), C.PoolConfig("idle", 1, ["reward"])], "cpu")
-    pair = build_layout([C.PoolConfig("all", 2, ["actor", "critic"])], "cpu")
+    rank, model_path, solo, pair = one_and_two_ranks(sys.argv[1])
     cpu = torch.device("cpu")
 
     # what trains: the adapters (and the critic's head) in float32, the base frozen in param_dtype

@@ -69,18 +69,24 @@ def close(a: float, b: float, key: str) -> None:
     assert math.isclose(a, b, rel_tol=2e-4, abs_tol=1e-6), f"{key}: 1 rank {a} vs 2 ranks {b}"
 
 
-def main() -> None:
+def one_and_two_ranks(folder: str):
+    """2 gloo processes, the tiny model saved in `folder`/model by rank 0, and the layouts to compare: `solo` (the
+    actor and critic on rank 0 alone) and `pair` (on both ranks). Returns (rank, model path, solo, pair)."""
     info = init_distributed("gloo", timeout_s=120, device="cpu")
-    rank = info.rank
     assert info.world_size == 2, "run with --nproc_per_node 2"
-    model_path = f"{sys.argv[1]}/model"
-    if rank == 0:
+    model_path = f"{folder}/model"
+    if info.rank == 0:
         tokenizer = build_char_tokenizer("0123456789+=")
         save_tiny_model(model_path, tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                         intermediate_size=64, max_position_embeddings=64, seed=0)
     dist.barrier()
     solo = build_layout([C.PoolConfig("solo", 1, ["actor", "critic"]), C.PoolConfig("idle", 1, ["reward"])], "cpu")
     pair = build_layout([C.PoolConfig("all", 2, ["actor", "critic"])], "cpu")
+    return info.rank, model_path, solo, pair
+
+
+def main() -> None:
+    rank, model_path, solo, pair = one_and_two_ranks(sys.argv[1])
     full = make_batch(14)
     halves = [select(full, slice(0, 4)), select(full, slice(4, 8))]  # whole groups on each rank
 
