@@ -47,8 +47,13 @@ def test_objective_learns(name, assets, tmp_path):  # noqa: F811
     assert_eval_closes_gap(rows)
 
 
-def make_teacher(assets, path) -> str:  # noqa: F811
+@pytest.fixture(scope="module")
+def teacher(assets, tmp_path_factory) -> str:  # noqa: F811
     """A wider model than the student, trained by SFT to answer every prompt with '1111' (what the reward wants)."""
+    return make_teacher(assets, tmp_path_factory.mktemp("teacher") / "model")
+
+
+def make_teacher(assets, path) -> str:  # noqa: F811
     from roles.sft import encode_pairs, sft_train
 
     tokenizer = build_char_tokenizer("0123456789+=")
@@ -63,8 +68,7 @@ def make_teacher(assets, path) -> str:  # noqa: F811
     return str(path)
 
 
-def test_on_policy_distillation_from_a_teacher_alone_raises_the_student(assets, tmp_path):  # noqa: F811
-    teacher = make_teacher(assets, tmp_path / "teacher")
+def test_on_policy_distillation_from_a_teacher_alone_raises_the_student(assets, teacher, tmp_path):  # noqa: F811
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 12},
                        algorithm={"adv_estimator": "reinforce_pp", "kl": {"in_reward": False},
                                   "distill": {"coef": 1.0, "task_weight": 0.0}},
@@ -131,11 +135,10 @@ def test_with_top_p_the_engine_and_the_trainer_score_one_distribution(assets, tm
         assert abs(row["actor/ppo_kl"]) < 1e-7 and row["actor/pg_clipfrac"] == 0, row
 
 
-def test_a_teacher_in_its_own_pool_scores_as_a_colocated_one(assets, tmp_path):  # noqa: F811
+def test_a_teacher_in_its_own_pool_scores_as_a_colocated_one(assets, teacher, tmp_path):  # noqa: F811
     """The teacher placed on a rank of its own (split pools, its log-probs sent back to the actor's rank) gives the
     run the colocated teacher gives: the same samples, the same reverse KL, step for step."""
-    teacher = make_teacher(assets, tmp_path / "teacher")
-    common = dict(run={"total_steps": 3, "eval_every": 0},
+    common = dict(run={"total_steps": 2, "eval_every": 0},
                   algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False}, "distill": {"coef": 0.5}},
                   teacher={"model_path": teacher, "fsdp": {"param_dtype": "float32"}})
     one = write_config(tmp_path / "one.yaml", assets, tmp_path / "one", **common)

@@ -98,7 +98,7 @@ def test_a_run_whose_samples_run_hostile_programs_goes_on(assets, tmp_path):  # 
     hostile = {"prompt": "def f():\n    return 0\n# ", "entry_point": "f"}  # the response lands in a comment
     rows = [{"prompt": f"{a}+{b}=", "ground_truth": "0",
              "extra_info": {**hostile, "test": ["def check(c):\n    while True:\n        pass\n",
-                                                "def check(c):\n    import os\n    os.fork()\n"][(a + b) % 2]}}
+                                                "def check(c):\n    import os\n    os.fork()\n"][(a + b) % 4 > 0]}}
             for a in range(4) for b in range(4)]
     data = tmp_path / "hostile.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
