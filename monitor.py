@@ -321,11 +321,16 @@ def summary_table(summary: dict) -> str:
              f"  {'phase':<16} {'seconds':>10} {'share':>7}"]
     for phase, seconds in sorted(summary["phases_s"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  {phase:<16} {seconds:>10.2f} {number(summary['phase_share'][phase], '{:.1%}'):>7}")
+    # a CPU run has no GPU reading, a run without an eval set no eval score: said so, not printed as "-" or nan
+    gpu = summary["peak_gpu_memory_used_gb"]
+    gpu_text = f" (GPU in use {number(gpu)} GB)" if gpu is not None else ""
+    before, after = (v if v is not None and v == v else None for v in (summary["eval_before"], summary["eval_after"]))
+    evaluated = "no eval" if before is None and after is None else \
+        f"eval/score/mean {number(before)} -> {number(after)}"
     lines += [f"  tokens/s per rank {number(summary['tokens_per_s_per_rank'])}; peak memory "
-              f"{number(summary['peak_memory_gb'])} GB (GPU in use {number(summary['peak_gpu_memory_used_gb'])} GB)",
-              f"  eval/score/mean {number(summary['eval_before'])} -> {number(summary['eval_after'])}; skipped steps "
-              f"{summary['skipped_steps']:g}; reward-function errors {summary['reward_fn_errors']:g}, timeouts "
-              f"{summary['reward_fn_timeouts']:g}",
+              f"{number(summary['peak_memory_gb'])} GB{gpu_text}",
+              f"  {evaluated}; skipped steps {summary['skipped_steps']:g}; reward-function errors "
+              f"{summary['reward_fn_errors']:g}, timeouts {summary['reward_fn_timeouts']:g}",
               "  health warnings: " + (", ".join(f"{name} at steps {steps}" for name, steps in
                                                  summary["warnings"].items()) or "none")]
     return "\n".join(lines)

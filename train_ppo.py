@@ -880,7 +880,7 @@ def main(argv: list[str]) -> int:
     setup(cfg, info.rank)
     layout = build_layout(C.pools_of(cfg, info.world_size), info.device.type)
     if info.rank == 0:
-        print(layout.describe(), flush=True)
+        print(layout.describe(C.required_roles(cfg)), flush=True)
     try:
         trainer = PPOTrainer(cfg, layout, info.device)
     except ValueError as e:  # bad data or reward spec: every rank hits it, before any step

@@ -87,11 +87,13 @@ class Layout:
         key = (min(a.index, b.index), max(a.index, b.index))
         return self.pair_groups[key]
 
-    def describe(self) -> str:
+    def describe(self, roles=None) -> str:
+        """A line per pool; with `roles`, only those of its roles (the ones the run builds) are named."""
         lines = []
         for p in self.pools:
+            hosted = [r for r in p.roles if roles is None or r in roles]
             lines.append(
-                f"pool {p.name}: ranks {p.ranks[0]}-{p.ranks[-1]} roles {','.join(p.roles)} "
+                f"pool {p.name}: ranks {p.ranks[0]}-{p.ranks[-1]} roles {','.join(hosted) or '-'} "
                 f"mesh dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp}"
             )
         return "\n".join(lines)

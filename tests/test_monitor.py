@@ -222,3 +222,7 @@ def test_run_summary_against_the_rows():
     table = summary_table(summary)
     assert "4 steps" in table and "gen" in table and "57.1%" in table and "comm at steps [1, 4]" in table
     assert run_summary([{"step": 0}])["steps"] == 0 and "none" in summary_table(run_summary([{"step": 0}]))
+    # a CPU run without an eval set: no GPU field, and "no eval" rather than "-" or nan
+    bare = summary_table(run_summary([{"step": 0}, {"step": 1, "timing_s/step": 1.0, "eval/score/mean": float("nan")}]))
+    assert "GPU in use" not in bare and "no eval;" in bare and "nan" not in bare, bare
+    assert "(GPU in use 2 GB)" in summary_table(run_summary([{"step": 1, "perf/gpu_memory_used_gb": 2.0}]))

@@ -75,6 +75,8 @@ def test_on_policy_distillation_from_a_teacher_alone_raises_the_student(assets, 
                        teacher={"model_path": teacher, "fsdp": {"param_dtype": "float32"}})
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 0, explain(proc)
+    # the start-up line names the roles built: no critic (GRPO family) and no reference (no KL term) here
+    assert "pool all: ranks 0-0 roles actor,reward,teacher mesh" in proc.stdout, explain(proc)
     rows = read_metrics(tmp_path / "runs")
     assert "timing_s/teacher" in rows[1] and "actor/reward_kl" not in rows[1], rows[1]
     kl = [r["distill/reverse_kl"] for r in rows[1:]]
