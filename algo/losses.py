@@ -10,11 +10,9 @@ from torch.autograd.function import once_differentiable
 
 from algo import kernels
 from algo.advantages import as_bool_mask, masked_mean
-from algo.objectives import OBJECTIVES
+from algo.objectives import LOG_RATIO_CLAMP, OBJECTIVES
 from algo.rollout_correction import correction_weights
 
-# exp() of a log-ratio beyond +-20 overflows float16 and turns one bad token into inf; real policies never get there.
-LOG_RATIO_CLAMP = 20.0
 # k3 per token is clamped to this (as verl's low_var_kl): one token far off the reference must not dominate the batch.
 K3_VALUE_CLAMP = 10.0
 

@@ -22,7 +22,8 @@ import torch
 
 from algo.advantages import masked_mean
 
-LOG_RATIO_CLAMP = 20.0  # as algo/losses.py: exp() beyond it overflows float16
+# exp() of a log-ratio beyond +-20 overflows float16 and turns one bad token into inf; real policies never get there
+LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0  # a sequence ratio above e^10 is clipped anyway; the bound keeps exp finite
 
 

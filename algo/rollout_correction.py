@@ -22,8 +22,8 @@ import math
 import torch
 
 from algo.advantages import masked_mean
+from algo.objectives import LOG_RATIO_CLAMP
 
-LOG_CLAMP = 20.0  # exp() of a larger log-ratio overflows float16; a real engine/trainer gap never gets there
 WEIGHT_MODES = ("off", "token", "sequence")
 MASK_MODES = ("off", "token", "sequence", "geometric")
 
@@ -49,9 +49,9 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     metrics = {}
     row_log = log_rho.sum(-1, keepdim=True)
     if weight == "token":
-        factors = log_rho.clamp(-LOG_CLAMP, LOG_CLAMP).exp().clamp(max=cap)
+        factors = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)
     elif weight == "sequence":
-        factors = row_log.clamp(-LOG_CLAMP, LOG_CLAMP).exp().clamp(max=cap).expand_as(log_rho)
+        factors = row_log.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap).expand_as(log_rho)
     if weight != "off":
         metrics["is_weight_mean"] = masked_mean(factors, m)
     if reject != "off":
@@ -66,7 +66,7 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         factors = torch.where(inside, factors, 0)
         metrics["masked_fraction"] = masked_mean((~inside).float(), m)
     # k3 with d = log pi_rollout - log pi_old: the samples are pi_rollout's, so this estimates KL(pi_rollout || pi_old)
-    x = log_rho.clamp(-LOG_CLAMP, LOG_CLAMP)
+    x = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     token_kl = torch.where(m, torch.expm1(x) - x, 0)
     metrics["mismatch_kl"] = masked_mean(token_kl, m)
     metrics["mismatch_kl_max"] = token_kl.max() if token_kl.numel() else token_kl.new_zeros(())

@@ -119,6 +119,7 @@ class Actor:
             logp, token_entropy = logprobs_and_entropy(response_logits(self.model, mb, self.pack),
                                                        mb["response_ids"], temperature)
             m = mb["response_mask"]
+            n_tokens = as_bool_mask(m, m.shape).sum()
             if on_policy:
                 old = logp.detach()
                 if "rollout_logprobs" in mb:
@@ -130,12 +131,11 @@ class Actor:
             weights = None
             if "rollout_logprobs" in mb:  # the engine/trainer mismatch, measured on every step; corrected on request
                 weights, mismatch = correction_weights(old, mb["rollout_logprobs"], m, *corrections)
-                n_valid = as_bool_mask(m, m.shape).sum()
                 for k, v in mismatch.items():
                     if k.endswith("_max"):
                         metrics.maximum(f"rollout_corr/{k}", v)
                     else:
-                        metrics.token_mean(f"rollout_corr/{k}", v, n_valid)
+                        metrics.token_mean(f"rollout_corr/{k}", v, n_tokens)
                 weights = weights if correcting else None
             pg, parts = policy_loss(logp, old, mb["advantages"], m, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
                                     cfg.loss_agg, objective=cfg.policy_loss, weights=weights, **norms)
@@ -148,7 +148,6 @@ class Actor:
                 metrics.share("actor/kl_loss", kl_term)
             metrics.share("actor/pg_loss", pg)
             metrics.share("actor/entropy", ent)
-            n_tokens = as_bool_mask(m, m.shape).sum()
             for k, v in parts.items():
                 metrics.token_mean(f"actor/{k}", v, n_tokens)
             return loss
