@@ -43,6 +43,8 @@ class RunConfig:
     total_steps: int = 10
     epochs: int | None = None  # when set, overrides total_steps: passes over the training prompts
     log_every: int = 1
+    # the console line's metrics (names as in metrics.jsonl); null: the estimator's own (monitor.console_defaults)
+    console_keys: list[str] | None = None
     eval_every: int = 0  # 0: evaluate only at the start and the end
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = True
@@ -63,6 +65,10 @@ class RunConfig:
         if len(name.encode("utf-8", "surrogateescape")) > 255:
             raise ConfigError(f"run.name={name[:40]!r}... is {len(name.encode('utf-8', 'surrogateescape'))} bytes; "
                               "a folder name may have at most 255")
+        keys = self.console_keys
+        if keys is not None and (not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys)):
+            raise ConfigError(f"run.console_keys={keys!r}: distinct metric names as metrics.jsonl has them, e.g. "
+                              "[reward/score/mean, actor/entropy]; null for the estimator's own")
         port = self.prometheus_port
         if port is not None and not 1 <= port <= 65535:
             raise ConfigError(f"run.prometheus_port={port}: must be in [1, 65535] (or null: no endpoint)")
@@ -196,6 +202,18 @@ class RolloutConfig:
     vllm_tp: int = 1
     vllm_sleep_level: Literal[1, 2] = 1
     vllm_max_logprob_gap: float = 0.25
+    # multi-turn episodes (rollout/episodes.py, tasks/environments.py): an environment, "module.path:factory" or
+    # "path/to/file.py:factory" with factory(record) -> env (env.reset(), env.step(text) -> (obs, reward, done)), or
+    # tools, ["module.path:function", ...] called from <tool_call> blocks; one or the other
+    environment: str | None = None
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  # the model's turns per episode (with an environment or tools)
+    # an episode's response, turns and observations; None: max_new_tokens x max_turns
+    max_episode_tokens: int | None = None
+    episode_reward: Literal["sum", "last"] = "sum"  # the environment's step rewards: their sum, or the last one
+    env_workers: int = 2  # processes hosting the environments (or running the tools)
+    env_timeout_s: float = 60.0  # one reset or step; past it the worker is killed and its episodes end (reward 0)
+    tool_timeout_s: float = 10.0  # one tool call; past it the call's result is an error message
 
 
 KL_KIND = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
@@ -358,12 +376,20 @@ class RewardConfig:
 class SFTConfig:
     """train_sft.py: supervised fine-tuning on prompt/response pairs (loss on response tokens)."""
 
+    # records (.jsonl, .parquet, a save_to_disk folder or a hub dataset id) in one of TRL's formats: prompt/response
+    # (or TRL's prompt/completion: loss on the response), or a conversation in `messages` (loss on assistant turns)
     train_path: str = ""
+    eval_path: str | None = None  # held-out records in the same formats; their loss per token is eval/loss
+    eval_every: int = 0  # steps; 0: evaluate only at the start and the end
     prompt_key: str = "prompt"
-    response_key: str = "response"
+    response_key: str = "response"  # where a row has none, TRL's `completion` column
+    messages_key: str = "messages"  # a row with this column and no prompt column is a conversation
     steps: int = 100
     batch_size: int = 16  # pairs per step over all ranks
     lr: float = 1e-5
+    warmup_steps: int = 0  # linear from 0, then the schedule (actor.optim's keys)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0  # cosine's floor at sft.steps, as a share of lr
     output_dir: str = "runs/sft_model"
 
 
@@ -891,6 +917,7 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           "both set importance weights; tis_cap is the short form of weight=token, "
                           "weight_cap=tis_cap. Keep one")
     check_objective(cfg)
+    check_episodes(cfg)
     check_lora(cfg, world_size, this_machine)
     if cfg.rollout.engine == "vllm":
         check_vllm(cfg, world_size, this_machine)
@@ -934,15 +961,26 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
 def _check_found(required: list[tuple[str, str | None]], optional: list[tuple[str, str | list[str] | None]] = ()
                  ) -> None:
     """Every required path is set and exists; every path an optional one-or-a-list key names exists (`key[i]` names
-    one of several)."""
+    one of several). A path that is not here may be a Hugging Face hub id (tasks/hub.py): a model's (Org/Name) for
+    model.path, a dataset's (org/name[/subset][:split]) for the data keys but data.rollouts_path; the message then says
+    how it was tried."""
+    def problem(key: str, path: str) -> str | None:
+        from tasks import hub
+
+        if key == "model.path":
+            return hub.model_problem(path)
+        return "not found" if key == "data.rollouts_path" else hub.dataset_problem(path, "eval" in key)
+
     for key, path in required:
-        if not path or not os.path.exists(path):
+        if not path:
             raise ConfigError(f"{key}={path!r}: not found")
+        if not os.path.exists(path) and (why := problem(key, path)):
+            raise ConfigError(f"{key}={path!r}: {why}")
     for key, value in optional:
         paths = path_list(value)
         for i, path in enumerate(paths):
-            if not os.path.exists(path):
-                raise ConfigError(f"{key}{f'[{i}]' if len(paths) > 1 else ''}={path!r}: not found")
+            if not os.path.exists(path) and (why := problem(key, path)):
+                raise ConfigError(f"{key}{f'[{i}]' if len(paths) > 1 else ''}={path!r}: {why}")
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -1025,7 +1063,9 @@ PPO_RANGES = (
     ("rollout.top_p", "(0, 1]"), ("rollout.top_k", "[0, inf)"), ("rollout.eval_temperature", "[0, inf)"),
     ("rollout.eval_n", "[1, inf)"), ("rollout.max_num_seqs", "[1, inf)"), ("rollout.kv_cache_tokens", "[1, inf)"),
     ("rollout.gpu_memory_utilization", "(0, 1]"), ("rollout.max_prefill_tokens", "[1, inf)"),
-    ("rollout.vllm_max_logprob_gap", "(0, inf)"),
+    ("rollout.vllm_max_logprob_gap", "(0, inf)"), ("rollout.max_turns", "[1, inf)"),
+    ("rollout.max_episode_tokens", "[1, inf)"), ("rollout.env_workers", "[1, inf)"),
+    ("rollout.env_timeout_s", "(0, inf)"), ("rollout.tool_timeout_s", "(0, inf)"),
     ("algorithm.gamma", "[0, 1]"), ("algorithm.lam", "[0, 1]"),
     ("algorithm.kl.coef", "[0, inf)"), ("algorithm.kl.target", "(0, inf)"), ("algorithm.kl.horizon", "[1, inf)"),
     ("algorithm.filters.filter_ratio", "[0, 1)"), ("algorithm.filters.weight_pow", "[0, inf)"),
@@ -1057,6 +1097,31 @@ RANGE_HINTS = {
     "rollout.top_p": "1 keeps the whole distribution",
     "actor.dual_clip": "leave it unset (null) to turn dual clipping off",
 }
+
+
+def check_episodes(cfg: Config) -> None:
+    """An environment or tools: one of them, specs that name a function, no offline data, a budget that holds a
+    turn."""
+    r = cfg.rollout
+    if not episodes(cfg):
+        return
+    if r.environment and r.tools:
+        raise ConfigError(f"rollout.environment={r.environment!r} and rollout.tools={r.tools}: set one (tools run in "
+                          "a built-in environment of their own; an environment of yours can call them itself)")
+    for key, spec in [("rollout.environment", r.environment)] + [(f"rollout.tools[{i}]", t) for i, t in
+                                                                    enumerate(r.tools)]:
+        if spec is None:
+            continue
+        module, colon, name = spec.rpartition(":")
+        if not (colon and module and name.isidentifier()):
+            raise ConfigError(f"{key}={spec!r}: name a function as 'module.path:function' or "
+                              "'path/to/file.py:function'")
+    if path_list(cfg.data.rollouts_path):
+        raise ConfigError("data.rollouts_path (offline training) with rollout.environment / rollout.tools: logged "
+                          "rollouts are replayed, not played again; drop one")
+    if response_budget(cfg) < r.max_new_tokens and r.max_turns > 1:
+        raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
+                          f"{r.max_new_tokens}: an episode's budget must hold at least one whole turn")
 
 
 def check_ranges(cfg: Config, ranges) -> None:
@@ -1109,11 +1174,20 @@ def check_objective(cfg: Config) -> None:
                           "take several steps per rollout (actor.ppo_epochs > 1 or a smaller actor.mini_batch_size)")
 
 
+SFT_RANGES = (
+    ("sft.steps", "[1, inf)"), ("sft.batch_size", "[1, inf)"), ("sft.lr", "[0, inf)"), ("sft.eval_every", "[0, inf)"),
+    ("sft.warmup_steps", "[0, inf)"), ("sft.min_lr_ratio", "[0, 1]"), ("run.log_every", "[1, inf)"),
+    ("checkpoint.save_every", "[0, inf)"), ("checkpoint.keep_last", "[1, inf)"), ("distributed.timeout_s", "[1, inf)"),
+)
+
+
 def check_sft(cfg: Config, world_size: int) -> None:
     """Everything train_sft.py needs: one pool of all ranks for the model being fine-tuned."""
     check_world(cfg, world_size, ())
     check_lora(cfg, world_size)
-    _check_found([("sft.train_path", cfg.sft.train_path), ("model.path", cfg.model.path)])
+    check_ranges(cfg, SFT_RANGES)
+    _check_found([("sft.train_path", cfg.sft.train_path), ("model.path", cfg.model.path)],
+                 [("sft.eval_path", cfg.sft.eval_path)])
 
 
 RM_RANGES = (
@@ -1146,7 +1220,7 @@ def _check_positions(cfg: Config, roles: tuple[str, ...]) -> None:
     """The longest sequence, data.max_prompt_len + rollout.max_new_tokens, fits in the max_position_embeddings of
     every causal LM of the run whose config.json is on this machine (a hub id, or a model built at run time as the
     quickstart's, is checked where it is loaded)."""
-    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    longest = cfg.data.max_prompt_len + response_budget(cfg)
     models = {}
     for role in ("actor", "critic", "reference", "teacher"):
         if role in roles:
@@ -1161,8 +1235,10 @@ def _check_positions(cfg: Config, roles: tuple[str, ...]) -> None:
             continue
         limit = arch.get("max_position_embeddings", (arch.get("text_config") or {}).get("max_position_embeddings"))
         if isinstance(limit, int) and longest > limit:
+            budget = f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if not episodes(cfg) else \
+                f"the episode's {response_budget(cfg)} (rollout.max_episode_tokens, or max_new_tokens x max_turns)"
             raise ConfigError(
-                f"data.max_prompt_len={cfg.data.max_prompt_len} + rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
+                f"data.max_prompt_len={cfg.data.max_prompt_len} + {budget}"
                 f" = {longest} tokens: more than the model's max_position_embeddings={limit} ({key}={path!r}); "
                 f"lower them to add up to at most {limit}")
 
@@ -1342,11 +1418,25 @@ def world_rollout(cfg: Config) -> bool:
     return cfg.rollout.ranks == "all" and cfg.placement.mode == "split"
 
 
+def episodes(cfg: Config) -> bool:
+    """Multi-turn episodes: an environment or tools answer the model's turns."""
+    return bool(cfg.rollout.environment or cfg.rollout.tools)
+
+
+def response_budget(cfg: Config) -> int:
+    """The longest response: one turn's max_new_tokens, or an episode's budget (turns and observations)."""
+    r = cfg.rollout
+    if not episodes(cfg):
+        return r.max_new_tokens
+    return r.max_episode_tokens if r.max_episode_tokens is not None else r.max_new_tokens * r.max_turns
+
+
 def required_roles(cfg: Config) -> tuple[str, ...]:
     """The roles a PPO run needs: no critic without GAE, no reference without a KL term, no reward when nothing is
-    scored (offline training, whose scores are logged, with no eval set)."""
+    scored (offline training, whose scores are logged, with no eval set; an environment's own rewards alone)."""
     roles = ["actor"]
-    if not (cfg.data.rollouts_path and not path_list(cfg.data.eval_path)):
+    env_only = cfg.rollout.environment and not cfg.reward.functions and cfg.reward.model_path is None
+    if not (cfg.data.rollouts_path and not path_list(cfg.data.eval_path)) and not env_only:
         roles.append("reward")
     if cfg.algorithm.adv_estimator == "gae":
         roles.append("critic")

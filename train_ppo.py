@@ -60,19 +60,30 @@ from roles.modeling import all_reduce_sum
 from roles.reference import Reference
 from roles.reward import Reward, decode_responses
 from rollout.api import stop_token_ids
+from rollout.episodes import ObservationTokens, episode_record, run_episodes
 from rollout.native import RolloutOutput, SamplingParams
 from rollout.world import Replica, WorldRollout, units_in_blocks, units_of_split
-from tasks.data import PromptDataset, PromptSampler, load_eval_records, load_prompt_records, padding_id
+from tasks.data import (
+    PromptDataset,
+    PromptSampler,
+    chat_template_text,
+    load_eval_records,
+    load_prompt_records,
+    padding_id,
+)
+from tasks.environments import EnvironmentPool
 from tasks.offline import OfflineRollouts, file_fingerprints, load_offline_groups, rollout_files, write_rollouts
 
 log = logging.getLogger("meshrl")
 
 
-def rollout_batch(out: RolloutOutput, prompt_index: list[int], device: torch.device) -> Batch:
-    """The engine's output in the batch layout of roles/modeling.py: prompt + response per row, right-padded."""
+def rollout_batch(out: RolloutOutput, prompt_index: list[int], device: torch.device,
+                  lengths: torch.Tensor | None = None) -> Batch:
+    """The engine's output in the batch layout of roles/modeling.py: prompt + response per row, right-padded.
+    lengths: the responses' lengths where the mask has holes (episodes' observations); the mask's sums otherwise."""
     n = len(out.prompt_ids)
     p_len = torch.tensor([len(p) for p in out.prompt_ids], dtype=torch.long)
-    r_len = out.response_mask.sum(-1).long().cpu()
+    r_len = lengths.long().cpu() if lengths is not None else out.response_mask.sum(-1).long().cpu()
     width = int((p_len + r_len).max()) if n else 1
     ids = torch.zeros((n, width), dtype=torch.long)
     resp = out.response_ids.cpu()
@@ -112,6 +123,9 @@ class PPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path,
                                                        trust_remote_code=cfg.model.trust_remote_code)
         self.pad = pad = padding_id(self.tokenizer, cfg.model.tokenizer_path or path)
+        # multi-turn episodes: the environments' (or tools') worker processes; the tools' schemas go into the
+        # prompts' chat template
+        self.envs, tools = self._environments(layout)
         if cfg.data.rollouts_path:  # offline: logged responses and scores, no generation in the train steps
             files = rollout_files(C.path_list(cfg.data.rollouts_path))
             self.data_files = file_fingerprints(files)  # in each checkpoint: a resume refuses edited files
@@ -134,8 +148,11 @@ class PPOTrainer:
             self.data_files = {}
             self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
                                                                cfg.data.ground_truth_key), self.tokenizer,
-                                           cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
+                                           cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt,
+                                           tools)
         self.offline = isinstance(self.train_set, OfflineRollouts)
+        # the reward pool scores the samples (not offline, whose scores are logged; not an environment's alone)
+        self.scoring = not self.offline and "reward" in C.required_roles(cfg)
         # None: the update's own forward gives PPO's old log-probs (one optimizer step per rollout); else why a
         # forward pass before the update computes them
         self.old_logprobs_pass = C.old_logprobs_pass(cfg)
@@ -147,7 +164,8 @@ class PPOTrainer:
         if C.path_list(cfg.data.eval_path):
             self.eval_set = PromptDataset(load_eval_records(C.path_list(cfg.data.eval_path), cfg.data.prompt_key,
                                                             cfg.data.ground_truth_key), self.tokenizer,
-                                          cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt)
+                                          cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt,
+                                          self.envs.tool_schemas if self.envs is not None else None)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, seed=cfg.run.seed,
                                      shuffle=cfg.data.shuffle)
         steps_per_epoch = len(self.train_set) // cfg.data.batch_size
@@ -186,6 +204,13 @@ class PPOTrainer:
         r = cfg.rollout
         self.train_params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, stops)
         self.eval_params = SamplingParams(r.max_new_tokens, r.eval_temperature, 1.0, 0, r.eval_n, stops)
+        self.observe, self.last_episodes = None, None
+        if self.envs is not None:  # an episode's observations in tokens: the chat template's, or plain text
+            template = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
+            chat = bool(cfg.data.chat_template) or self.train_set.items[0]["messages"] is not None
+            self.observe = ObservationTokens(self.tokenizer, chat, stops, template and chat_template_text(template),
+                                             self.envs.tool_schemas)
+            self._check_environment()
         self.kl_ctl = make_kl_controller(algo.kl.controller, algo.kl.coef, algo.kl.target, algo.kl.horizon)
         self.dp_reduce = reducer(self.pools["actor"].dp_group)  # statistics over the whole batch, on actor ranks
         self.guard = GuardRails(algo.guard.kl_limit, algo.guard.var_limit)
@@ -221,7 +246,8 @@ class PPOTrainer:
         problem = None
         if self.rank == 0:
             try:
-                self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port)
+                self.logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.prometheus_port,
+                                            cfg.run.console_keys)
             except ValueError as e:  # the Prometheus port is taken
                 problem = str(e)
         if anyone(problem is not None):
@@ -253,7 +279,7 @@ class PPOTrainer:
 
             engine = VLLMEngine(path, pad, tp=r.vllm_tp, gpu_memory_utilization=r.gpu_memory_utilization,
                                 sleep_level=r.vllm_sleep_level, seed=cfg.run.seed, trust_remote_code=trust,
-                                max_model_len=cfg.data.max_prompt_len + r.max_new_tokens)
+                                max_model_len=cfg.data.max_prompt_len + C.response_budget(cfg))
             units, dtype = units_in_blocks(world, r.vllm_tp), torch.bfloat16
         else:
             # the dtype the actor's own engines generate with, unsharded
@@ -299,6 +325,8 @@ class PPOTrainer:
                     times[f"timing_s/gen_{part}"] = engine_stats[f"{part}_s"]
             if "memory_gb" in engine_stats:
                 metrics["rollout/vllm_memory_gb"] = engine_stats["memory_gb"]
+            if self.last_episodes is not None and self.actor is not None:
+                metrics.update(self._episode_metrics())
         if self.actor is not None:
             rows = batch["input_ids"].shape[0]
             tokens = (batch["prompt_len"] + batch["response_len"]).sum()
@@ -310,8 +338,7 @@ class PPOTrainer:
             to_teacher = transfer(batch, P["actor"], P["teacher"], self.layout, self.device) if self.use_teacher \
                 else None
             to_critic = transfer(batch, P["actor"], P["critic"], self.layout, self.device) if self.use_critic else None
-            to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device) if not self.offline \
-                else None
+            to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device) if self.scoring else None
 
         # 3. reference log-probs, values, scores, old log-probs (at the same time where the pools are split)
         ref, teacher, values, scores = {}, {}, {}, {}
@@ -353,12 +380,14 @@ class PPOTrainer:
                                                                            gap.new_zeros(()), "max"))
         with t("transfer"), self.comm_timer.span():
             for got, role, on in ((ref, "reference", self.use_ref), (teacher, "teacher", self.use_teacher),
-                                  (values, "critic", self.use_critic), (scores, "reward", not self.offline)):
+                                  (values, "critic", self.use_critic), (scores, "reward", self.scoring)):
                 if on:
                     back = transfer(got, P[role], P["actor"], self.layout, self.device, want=rows)
                     if batch is not None:
                         width = batch["response_mask"].shape[1]
                         batch.update({k: fit_width(v, width) if v.dim() == 2 else v for k, v in back.items()})
+        if batch is not None and "env_reward" in batch:  # an episode's score: its environment's reward and the rest
+            batch["scores"] = batch["env_reward"] + batch.get("scores", 0.0)
 
         if cfg.run.save_rollouts and self.actor is not None:
             self._save_rollouts(step, batch)
@@ -367,7 +396,7 @@ class PPOTrainer:
         if self.actor is not None:
             with t("adv"):
                 batch, adv_metrics = prepare_batch(
-                    batch, algo, self.kl_ctl, group_size=cfg.rollout.n, max_response_len=cfg.rollout.max_new_tokens,
+                    batch, algo, self.kl_ctl, group_size=cfg.rollout.n, max_response_len=C.response_budget(cfg),
                     min_reward=self._min_reward(), replay=self.replay, generator=self.cpu_rng, reduce=self.dp_reduce)
             metrics.update(adv_metrics)
 
@@ -382,7 +411,7 @@ class PPOTrainer:
             kl_loss = metrics.get("actor/kl_coef", 0.0) if algo.kl.in_loss else 0.0
             with t("update_actor"):
                 metrics.update(self.actor.update(batch, cfg.rollout.temperature, kl_loss, algo.kl.loss_kind,
-                                                 cfg.rollout.max_new_tokens, self.cpu_rng))
+                                                 C.response_budget(cfg), self.cpu_rng))
             self._guard_rails(metrics)
         self.weights_version = step
         metrics.update(times)
@@ -393,6 +422,8 @@ class PPOTrainer:
         world rollout)."""
         pool = self.pools["actor"]
         mine = indices[pool.dp_rank :: pool.dp_size] if self.actor is not None else []
+        if self.envs is not None or (self.actor is None and C.episodes(self.cfg)):
+            return self._episodes(dataset, mine, params)
         prompts = [dataset[i]["prompt_ids"] for i in mine] if self.actor is not None else None
         if self.rollout is not None:
             out = self.rollout.generate(prompts, params, self.gen_rng, self.weights_version)
@@ -401,6 +432,67 @@ class PPOTrainer:
         if self.actor is None:
             return None
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
+
+    def _environments(self, layout: Layout) -> tuple[EnvironmentPool | None, list[dict] | None]:
+        """(the pool of environment workers on the actor's ranks, the tools' JSON schemas) of an episode run; the
+        other ranks start one worker for the schemas (their prompts show the tools too) and stop it."""
+        r = self.cfg.rollout
+        if not C.episodes(self.cfg):
+            return None, None
+        kind, specs = ("environment", [r.environment]) if r.environment else ("tools", r.tools)
+        pool = EnvironmentPool(kind, specs, r.env_workers if layout.hosts("actor") else 1, r.env_timeout_s,
+                               r.tool_timeout_s)
+        if not layout.hosts("actor"):
+            pool.close()
+            return None, pool.tool_schemas or None
+        return pool, pool.tool_schemas or None
+
+    def _check_environment(self) -> None:
+        """The environment made and reset on the first train record before any work: a factory that fails says so
+        (ValueError, exit 2) with its traceback."""
+        result = self.envs.open({0: episode_record(self.train_set.items[0])})[0]
+        self.envs.close_episodes([0])
+        if result.error is not None:
+            raise ValueError(f"{self.envs.what} failed its start-up call on the first train record:\n{result.error}")
+
+    def _episodes(self, dataset: PromptDataset, mine: list[int], params: SamplingParams) -> Batch | None:
+        """Multi-turn episodes (rollout/episodes.py) of this dp rank's prompts; on ranks outside the actor's pool
+        (a world rollout) their generate calls, one per turn, as long as some episode runs."""
+        r = self.cfg.rollout
+        group = None if self.rollout is not None else self.pools["actor"].group
+        turn_params = dataclasses.replace(params, n=1)
+        if self.actor is None:
+            for _ in range(r.max_turns):
+                if not anyone(False, group):
+                    break
+                self.rollout.generate(None, turn_params, self.gen_rng, self.weights_version)
+            return None
+
+        def generate(prompts: list[list[int]], p: SamplingParams) -> RolloutOutput:
+            if self.rollout is not None:
+                return self.rollout.generate(prompts, p, self.gen_rng, self.weights_version)
+            return self.actor.generate(prompts, p, self.gen_rng)
+
+        episodes = run_episodes(
+            generate, [dataset[i]["prompt_ids"] for i in mine], [episode_record(dataset[i]) for i in mine],
+            self.envs, self.observe, params, max_turns=r.max_turns, max_tokens=C.response_budget(self.cfg),
+            reward_mode=r.episode_reward, decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
+            any_running=lambda flag: anyone(flag, group))
+        self.last_episodes = episodes
+        batch = rollout_batch(episodes.output, [i for i in mine for _ in range(params.n)], self.device,
+                              episodes.lengths)
+        batch["env_reward"] = episodes.rewards.to(self.device)
+        return batch
+
+    def _episode_metrics(self) -> dict[str, float]:
+        """Means over the actor's episodes of this step: turns, truncation, environment errors and timeouts, the
+        environments' rewards and info numbers, tool calls."""
+        episodes, pool = self.last_episodes, self.pools["actor"]
+        shares: list = [None] * pool.dp_size
+        dist.all_gather_object(shares, (episodes.count, episodes.sums), group=pool.dp_group)
+        count = sum(c for c, _ in shares)
+        keys = sorted({k for _, sums in shares for k in sums})
+        return {f"{k}/mean": sum(sums.get(k, 0.0) for _, sums in shares) / max(count, 1) for k in keys}
 
     def _replay(self, indices: list[int]) -> Batch:
         """Offline: this dp rank's share of the logged groups in the layout of a generated batch, with their scores
@@ -443,6 +535,10 @@ class PPOTrainer:
                 "response_ids": batch["response_ids"][i, :r_len].tolist(), "score": float(batch["scores"][i]),
                 "logprobs": batch["rollout_logprobs"][i, :r_len].tolist(), "temperature": self.cfg.rollout.temperature,
             })
+            if self.envs is not None:  # the whole episode: its turns and observations, and which tokens are trained
+                rows[-1].update({"response_mask": batch["response_mask"][i, :r_len].long().tolist(),
+                                 "episode": self.last_episodes.transcripts[i],
+                                 "env_reward": float(batch["env_reward"][i])})
         everyone: list = [None] * pool.dp_size
         dist.all_gather_object(everyone, rows, group=pool.dp_group)
         if pool.dp_rank == 0 and pool.tp_rank == 0:
@@ -515,7 +611,8 @@ class PPOTrainer:
         batch = None
         if self.actor is not None or self.rollout is not None:
             batch = self._generate(self.eval_set, indices, self.eval_params)
-        to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device)
+        scoring = "reward" in P
+        to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device) if scoring else None
         scores, functions = {}, {}
         if self.reward is not None:
             s, reward_metrics, _ = self.reward.scores(to_reward, self.eval_set.items, training=False)
@@ -524,11 +621,13 @@ class PPOTrainer:
             functions = {f"eval/{k}": v for k, v in reward_metrics.items() if k.startswith("reward/fn/")}
         # the prompts were dealt round-robin, so the actor ranks' shares differ by one: each asks for its own back
         rows = batch["input_ids"].shape[0] if batch is not None else None
-        back = transfer(scores, P["reward"], P["actor"], self.layout, self.device, want=rows)
+        back = transfer(scores, P["reward"], P["actor"], self.layout, self.device, want=rows) if scoring else {}
         local: dict[str, float] = {}
         samples = []
         if self.actor is not None:
-            s = back["scores"]
+            s = back["scores"] if scoring else torch.zeros(rows, device=self.device)
+            if "env_reward" in batch:
+                s = s + batch["env_reward"]
             prompt_index = batch["prompt_index"].tolist()
             sources = [self.eval_set[i]["columns"].get("data_source") for i in prompt_index]
             sums = eval_sums(s.tolist(), batch["response_len"].tolist(), prompt_index, sources)
@@ -625,6 +724,8 @@ class PPOTrainer:
             role.replicas.flush()
         if self.reward is not None:
             self.reward.close()
+        if self.envs is not None:
+            self.envs.close()
         if self.logger is not None:
             self.logger.close()
 

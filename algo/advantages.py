@@ -134,8 +134,15 @@ def _check_discount(name: str, value: float) -> None:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
 
 
+def valid_first(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] indices that put each row's valid positions first, in their order (then the masked ones):
+    x.gather(1, order) packs a row's tokens together, out.scatter(1, order, packed) puts them back."""
+    return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+
+
 def gae(
-    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+    across_gaps: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016), not whitened.
 
@@ -144,7 +151,9 @@ def gae(
     returns_t = A_t + V_t
 
     token_rewards, values, mask: [B, T]. Returns (advantages [B, T], returns [B, T]), 0 where mask is 0.
-    The recursion restarts after every masked position, so a mask with holes splits a row into episodes.
+    The recursion restarts after every masked position, so a mask with holes splits a row into episodes;
+    across_gaps=True runs it over each row's valid tokens as one sequence instead (a multi-turn episode: the masked
+    observation tokens between the model's turns are skipped, V_{t+1} is the next valid token's value).
     """
     check_finite("token_rewards", token_rewards)
     check_finite("values", values)
@@ -155,6 +164,10 @@ def gae(
     _check_discount("gamma", gamma)
     _check_discount("lam", lam)
     m = as_bool_mask(mask, token_rewards.shape)
+    if across_gaps:
+        order = valid_first(m)
+        adv, ret = gae(token_rewards.gather(1, order), values.gather(1, order), m.gather(1, order), gamma, lam)
+        return adv.new_zeros(adv.shape).scatter(1, order, adv), ret.new_zeros(ret.shape).scatter(1, order, ret)
     dtype = torch.promote_types(_float_dtype(token_rewards), _float_dtype(values))
     rewards = torch.where(m, token_rewards.to(dtype), 0)
     # Zeroing V at padding makes V_{t+1} = 0 past the end of a response without a second mask lookup.
@@ -266,8 +279,8 @@ def rloo(scores: torch.Tensor, group_size: int, mask: torch.Tensor, group_ids: t
     return torch.where(m, advantages.reshape(-1, 1).to(_float_dtype(scores)), 0)
 
 
-def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, reduce: Reduce | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, reduce: Reduce | None = None,
+                 across_gaps: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantages (Hu 2025): discounted returns whitened over the whole batch.
 
     G_t = r_t + gamma * G_{t+1}, with G_{t+1} = 0 where mask_{t+1} = 0 or t + 1 = T
@@ -277,7 +290,7 @@ def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, 
     0 when the whole batch has fewer than 2 valid tokens (no variance to whiten with).
     """
     # GAE with V = 0 and lam = 1 is exactly the discounted return: delta_t = r_t, A_t = r_t + gamma * A_{t+1}.
-    returns, _ = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
+    returns, _ = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0, across_gaps)
     return masked_whiten(returns, mask, reduce=reduce), returns
 
 

@@ -135,7 +135,8 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
         if teacher_kl is not None:
             token_rewards = token_rewards - distill.coef * teacher_kl
     if estimator == "gae":
-        adv, returns = A.gae(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
+        # over the model's tokens only: an episode's observation tokens (mask 0 between turns) are skipped
+        adv, returns = A.gae(token_rewards, batch["values"], mask, algo.gamma, algo.lam, across_gaps=True)
         if algo.whiten_advantages:
             adv = A.masked_whiten(adv, mask, reduce=reduce)
         batch["returns"] = returns
@@ -143,7 +144,7 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
         m["critic/vf_explained_var"] = explained_variance(batch["values"][valid], returns[valid], reduce)
         m.update(_prefixed("critic/values", A.global_stats(batch["values"][valid], reduce)))
     elif estimator == "reinforce_pp":
-        adv, batch["returns"] = A.reinforce_pp(token_rewards, mask, algo.gamma, reduce=reduce)
+        adv, batch["returns"] = A.reinforce_pp(token_rewards, mask, algo.gamma, reduce=reduce, across_gaps=True)
     else:
         sequence = kl_penalised_scores(task, token_kl, mask, beta) if kl_cfg.in_reward else task
         if teacher_kl is not None:

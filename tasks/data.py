@@ -1,6 +1,7 @@
 """Prompt data: loading records from disk, tokenising them, and sampling batches reproducibly across restarts.
 
-Records come from a .jsonl file, a .parquet file, or a folder written by `datasets.Dataset.save_to_disk`.
+Records come from a .jsonl file, a .parquet file, a folder written by `datasets.Dataset.save_to_disk`, or a Hugging
+Face hub dataset id (org/name[/subset][:split], tasks/hub.py).
 A prompt is text or a list of chat messages (`{"role", "content"}` dicts); the ground truth is optional.
 Column keys may be dotted (`reward_model.ground_truth`) to reach into nested records, as in verl's parquet files.
 """
@@ -36,7 +37,13 @@ def _read_rows(path: str | Path) -> list[tuple[str, dict]]:
     """Every record of `path` as (where, row), `where` naming the file and line or row for error messages."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{path} does not exist; expected a {VALID_FORMATS}")
+        from tasks.hub import dataset_problem, dataset_rows, parse_dataset_id
+
+        why = dataset_problem(str(path)) if parse_dataset_id(str(path)) is not None else None
+        if parse_dataset_id(str(path)) is not None and why is None:
+            return dataset_rows(str(path))  # org/name[/subset][:split] on the Hugging Face hub (or its cache)
+        raise ValueError(f"{path} does not exist; expected a {VALID_FORMATS}, or a Hugging Face hub dataset id"
+                         + (f" ({why})" if why else ""))
     if path.is_dir():
         # imported here: datasets and pyarrow are only needed for these formats (a GPU image may lack them)
         from datasets import DatasetDict, load_from_disk
@@ -167,12 +174,29 @@ def load_eval_records(paths: list[str], prompt_key: str = "prompt", ground_truth
     return records
 
 
-def load_sft_records(path: str | Path, prompt_key: str = "prompt", response_key: str = "response") -> list[dict]:
-    """Supervised pairs `{"prompt": str | list[dict], "response": str}` from the same formats as prompts."""
+def load_sft_records(path: str | Path, prompt_key: str = "prompt", response_key: str = "response",
+                     messages_key: str = "messages") -> list[dict]:
+    """Supervised records from the same formats as prompts, each in one of TRL's SFT formats: a pair
+    `{"prompt": str | list[dict], "response": str}` from the prompt and response columns (TRL's
+    `completion` column where the response column is absent; a response may be one assistant message, TRL's
+    conversational prompt/completion), or a conversation `{"messages": list[dict], "where"}` from a row with a
+    messages column and no prompt column (TRL's `messages`)."""
     records = []
     for where, row in _read_rows(path):
+        found_prompt = _lookup(row, prompt_key)[1]
+        if not found_prompt and _lookup(row, messages_key)[1]:
+            messages = _check_prompt(_required(row, messages_key, where, "messages"), where)
+            if isinstance(messages, str):
+                raise ValueError(f"{where}: column {messages_key!r} must be a list of chat messages, got text")
+            records.append({"messages": messages, "where": where})
+            continue
+        if not found_prompt:
+            raise ValueError(f"{where}: no {prompt_key!r} (with {response_key!r} or 'completion') or "
+                             f"{messages_key!r} column; the columns are {sorted(row)}")
         prompt = _check_prompt(_required(row, prompt_key, where, "prompt"), where)
-        response = _as_text(_required(row, response_key, where, "response"), response_key, where)
+        key = "completion" if response_key == "response" and not _lookup(row, response_key)[1] and \
+            _lookup(row, "completion")[1] else response_key
+        response = _check_response(_required(row, key, where, "response"), key, where)
         records.append({"prompt": prompt, "response": response})
     if not records:
         raise ValueError(f"{path} holds no records")
@@ -247,10 +271,11 @@ NO_TEMPLATE = ("give one with data.chat_template (Jinja text, or a file holding 
 
 def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase,
                    chat_template: bool | str | None = None,
-                   system_prompt: str | None = None) -> tuple[list[str], list[list[int]]]:
+                   system_prompt: str | None = None, tools: list[dict] | None = None
+                   ) -> tuple[list[str], list[list[int]]]:
     """(rendered text, token ids) of each record's "prompt" (text or chat messages), templated as PromptDataset's
     docstring says; train_sft.py and train_rm.py encode their prompts with it too, so a model fine-tuned or scored
-    there sees the prompts train_ppo.py generates from."""
+    there sees the prompts train_ppo.py generates from. tools: JSON schemas the chat template shows (rollout.tools)."""
     template = chat_template_text(chat_template) if isinstance(chat_template, str) else None
     chat_template = True if template is not None else chat_template  # a template given: every prompt goes through it
     has_template = template is not None or getattr(tokenizer, "chat_template", None) is not None
@@ -277,7 +302,7 @@ def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase,
         if system_prompt is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system_prompt}, *messages]
         try:
-            prompt_texts.append(tokenizer.apply_chat_template(messages, chat_template=template,
+            prompt_texts.append(tokenizer.apply_chat_template(messages, chat_template=template, tools=tools or None,
                                                               add_generation_prompt=True, tokenize=False))
         except Exception as e:  # the template's own checks (raise_exception): an unknown role, a bad order
             raise ValueError(f"{where}: the tokenizer's chat template refused this prompt (roles "
@@ -317,6 +342,7 @@ class PromptDataset:
         max_prompt_len: int,
         chat_template: bool | str | None = None,
         system_prompt: str | None = None,
+        tools: list[dict] | None = None,
     ):
         if max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be at least 1")
@@ -325,7 +351,8 @@ class PromptDataset:
         # a prompt far too long by its characters is dropped before the tokenizer sees it: a 50 MB line would take
         # many GB and minutes to tokenise, only to be dropped for its length
         short = [r for r in records if text_chars(r["prompt"]) <= max_prompt_len * MAX_CHARS_PER_TOKEN]
-        prompt_texts, prompt_ids = render_prompts(short, tokenizer, chat_template, system_prompt) if short else ([], [])
+        prompt_texts, prompt_ids = render_prompts(short, tokenizer, chat_template, system_prompt, tools) if short \
+            else ([], [])
 
         self.items = []
         for i, record in enumerate(short):

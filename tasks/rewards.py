@@ -88,19 +88,20 @@ def exact_match(response: str, ground_truth: str | None, prompt: str = "") -> fl
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {"gsm8k": gsm8k_match, "exact_match": exact_match}
 
 
-def _check_spec(spec: str) -> tuple[str, str]:
+def _check_spec(spec: str, what: str = "reward function") -> tuple[str, str]:
     """(module or .py file, function) of a "module.path:function" or "path/to/file.py:function" spec (verl's
-    custom_reward_function.path); ValueError for anything else, and for a file that is not there."""
+    custom_reward_function.path); ValueError for anything else, and for a file that is not there. `what` names the
+    spec's kind in the message ("reward function", "environment", "tool")."""
     module_name, colon, function_name = spec.rpartition(":")
     if not module_name.endswith(".py"):
         module_name, colon, function_name = spec.partition(":")
     if not (colon and module_name and function_name.isidentifier()):
+        builtins = f"one of {sorted(BUILTIN_REWARDS)}, " if what == "reward function" else ""
         raise ValueError(
-            f"reward function spec {spec!r} is not valid; use one of {sorted(BUILTIN_REWARDS)}, "
-            "'module.path:function' or 'path/to/file.py:function'"
+            f"{what} spec {spec!r} is not valid; use {builtins}'module.path:function' or 'path/to/file.py:function'"
         )
     if module_name.endswith(".py") and not os.path.isfile(module_name):
-        raise ValueError(f"reward function {spec!r}: no file {os.path.abspath(module_name)}")
+        raise ValueError(f"{what} {spec!r}: no file {os.path.abspath(module_name)}")
     return module_name, function_name
 
 
@@ -119,12 +120,12 @@ def _import_file(path: str):
     return module
 
 
-def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
+def load_reward_function(spec: str, what: str = "reward function") -> Callable[[str, str | None, str], float]:
     """The function a spec names: a builtin ("gsm8k", "exact_match"), "module.path:function" or
-    "path/to/file.py:function"."""
-    if spec in BUILTIN_REWARDS:
+    "path/to/file.py:function". `what` names it in errors (environments and tools are loaded so too)."""
+    if what == "reward function" and spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    module_name, function_name = _check_spec(spec)
+    module_name, function_name = _check_spec(spec, what)
     if module_name.endswith(".py"):
         module = _import_file(module_name)
     else:
@@ -137,12 +138,12 @@ def load_reward_function(spec: str) -> Callable[[str, str | None, str], float]:
                 hint = (f". The folder that holds {top!r} is not on the path: start with PYTHONPATH=that/folder "
                         f"(PYTHONPATH=. from there), or name the file: 'path/to/{module_name.replace('.', '/')}.py:"
                         f"{function_name}'")
-            raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}{hint}") from e
+            raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}: {e}{hint}") from e
     function = getattr(module, function_name, None)
     if not callable(function):
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise ValueError(
-            f"reward function {spec!r}: module {module_name!r} has no function {function_name!r}; "
+            f"{what} {spec!r}: module {module_name!r} has no function {function_name!r}; "
             f"its public callables are {available}"
         )
     return function

@@ -1,0 +1,64 @@
+"""User environments and tools for the tests of multi-turn episodes, loaded by spec ("tests.user_envs:<name>") in
+the environment workers. `scripted` switches behaviour on the record's "mode" column so that one pool sees failures
+and successes in the same session."""
+
+import os
+import time
+
+
+class Scripted:
+    """Two steps: the first answers "+" (or a tool message under "tool"), the second ends the episode. The reward
+    of a step is the share of "1" in the model's turn; `mode` fails on purpose at the second step."""
+
+    def __init__(self, record: dict):
+        self.mode, self.steps = record.get("mode", "ok"), 0
+
+    def reset(self):
+        return None
+
+    def step(self, text: str):
+        self.steps += 1
+        if self.steps == 2:
+            if self.mode == "raise":
+                raise RuntimeError("deliberate failure at step 2")
+            if self.mode == "hang":
+                time.sleep(3600)
+            if self.mode == "exit":
+                os._exit(3)
+            if self.mode == "bad_reward":
+                return None, "high", True
+            if self.mode == "bad_obs":
+                return 42, 0.0, False
+        reward = text.count("1") / max(len(text), 1)
+        if self.steps >= 2:
+            return None, reward, True, {"steps": self.steps}
+        observation = [{"role": "tool", "content": f"{len(text)}"}] if self.mode == "tool" else "+"
+        return observation, reward, False, {"steps": self.steps}
+
+
+def scripted(record: dict) -> Scripted:
+    return Scripted(record)
+
+
+def broken_factory(record: dict):
+    raise KeyError("deliberate: the record has no 'board' column")
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: how long to sleep
+    """
+    time.sleep(seconds)
+    return "woke up"
