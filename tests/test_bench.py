@@ -107,3 +107,9 @@ def test_kernel_sweep_times_each_setting_and_restores_the_defaults(capsys):
     assert "BLOCK_V=256" in rows[1] and rows[1].endswith("| yes |"), rows[1]
     assert "BLOCK_V=3" in rows[2] and "| failed:" in rows[2], rows[2]
     assert (kernels.BLOCK_V, kernels.SAMPLE_WARPS) == before
+
+
+def test_real_model_bench_parses_its_arguments():
+    proc = subprocess.run([sys.executable, "bench/real_model.py", "--help"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--unpack" in proc.stdout and "trl-vllm" in proc.stdout, explain(proc)
