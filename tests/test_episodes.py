@@ -16,7 +16,7 @@ from test_ppo import assets, write_config  # noqa: F401  (assets is a fixture)
 
 import config as C
 from algo.advantages import gae
-from conftest import explain, run_python
+from conftest import explain, torchrun
 from rollout.api import SamplingParams
 from rollout.episodes import ObservationTokens, run_episodes
 from rollout.native import NativeEngine
@@ -270,26 +270,52 @@ def test_config_refuses_what_episodes_cannot_do(tmp_path):
     C.check_ppo(env_only, 1, this_machine=False)
 
 
-# ------------------------------------------------------------------------------------------------ a run
-def test_grpo_run_on_an_environments_reward_alone(assets, tmp_path):  # noqa: F811
-    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 3, "eval_every": 3,
+# ------------------------------------------------------------------------------------------------ runs
+def read_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "t" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_on_an_environments_reward_alone_over_two_fsdp_ranks(assets, tmp_path):  # noqa: F811
+    # episodes of one or two turns by prompt: the ranks run different numbers of turns' episodes, and a rank with
+    # none left still joins the FSDP engine's turns
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 2, "eval_every": 2,
                                                                             "save_rollouts": True},
                        algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False}},
-                       rollout={"environment": "tests.user_envs:scripted", "max_turns": 3, "env_workers": 1},
+                       rollout={"environment": "tests.user_envs:by_prompt", "max_turns": 3, "env_workers": 1},
                        reward={"functions": []})
-    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=300)
     assert proc.returncode == 0, explain(proc)
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in rows if "episode/turns/mean" in r)
-    assert step["episode/turns/mean"] == 2.0 and step["env/steps/mean"] == 3.0, step
-    assert step["episode/env_errors/mean"] == 0.0 and 0 <= step["reward/score/mean"] <= 2.0
+    rows = read_rows(tmp_path / "runs")
+    step = rows[1]
+    # info's "steps" is the step's number: 1 for a one-step episode, 1 + 2 for a two-step one
+    turns = step["episode/turns/mean"]
+    assert 1.0 < turns < 2.0 and step["env/steps/mean"] == pytest.approx(2 * turns - 1), step
+    assert step["episode/env_errors/mean"] == 0.0 and step["episode/truncated/mean"] == 0.0
     assert step["reward/score/mean"] == pytest.approx(step["episode/env_reward/mean"])
     assert "eval/score/mean" in rows[-1]
     saved = pd.read_parquet(tmp_path / "runs" / "t" / "rollouts" / "step_1.parquet")
-    row = saved.iloc[0]
-    assert [t["role"] for t in row["episode"]] == ["model", "env", "model"]
-    mask = list(row["response_mask"])
-    first = row["episode"][0]["tokens"]
+    assert len(saved) == 32 and set(saved["response_mask"].map(lambda m: list(m).count(0))) == {0, 1}
     plus = build_char_tokenizer("0123456789+=").convert_tokens_to_ids("+")
-    assert mask[first] == 0 and sum(mask) == len(mask) - 1 and row["response_ids"][first] == plus
-    assert row["score"] == pytest.approx(row["env_reward"])
+    for _, row in saved.iterrows():
+        mask, roles = list(row["response_mask"]), [t["role"] for t in row["episode"]]
+        assert roles in (["model"], ["model", "env", "model"]) and row["score"] == pytest.approx(row["env_reward"])
+        if len(roles) == 3:
+            first = row["episode"][0]["tokens"]
+            assert mask[first] == 0 and sum(mask) == len(mask) - 1 and row["response_ids"][first] == plus
+
+
+def test_episodes_on_split_pools_generated_over_the_world(assets, tmp_path):  # noqa: F811
+    # the reward's rank generates too (rollout.ranks=all): it joins every turn's generate call; the scores are the
+    # reward function's (on its pool) plus the environment's (on the actor's)
+    split = {"mode": "split", "pools": [{"name": "actor", "size": 1, "roles": ["actor"]},
+                                        {"name": "reward", "size": 1, "roles": ["reward"]}]}
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+                       algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False}}, placement=split,
+                       rollout={"environment": "tests.user_envs:by_prompt", "max_turns": 3, "env_workers": 1,
+                                "ranks": "all"})
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    step = read_rows(tmp_path / "runs")[1]
+    assert 1.0 < step["episode/turns/mean"] < 2.0, step
+    assert step["reward/score/mean"] == pytest.approx(step["episode/env_reward/mean"] +
+                                                      step["reward/fn/tests.user_rewards:ones_fraction/mean"])

@@ -10,8 +10,8 @@ class Scripted:
     """Two steps: the first answers "+" (or a tool message under "tool"), the second ends the episode. The reward
     of a step is the share of "1" in the model's turn; `mode` fails on purpose at the second step."""
 
-    def __init__(self, record: dict):
-        self.mode, self.steps = record.get("mode", "ok"), 0
+    def __init__(self, record: dict, length: int = 2):
+        self.mode, self.steps, self.length = record.get("mode", "ok"), 0, length
 
     def reset(self):
         return None
@@ -30,7 +30,7 @@ class Scripted:
             if self.mode == "bad_obs":
                 return 42, 0.0, False
         reward = text.count("1") / max(len(text), 1)
-        if self.steps >= 2:
+        if self.steps >= self.length:
             return None, reward, True, {"steps": self.steps}
         observation = [{"role": "tool", "content": f"{len(text)}"}] if self.mode == "tool" else "+"
         return observation, reward, False, {"steps": self.steps}
@@ -38,6 +38,13 @@ class Scripted:
 
 def scripted(record: dict) -> Scripted:
     return Scripted(record)
+
+
+def by_prompt(record: dict) -> Scripted:
+    """One step where the prompt's digits add up to an even number, two where odd: the ranks of a run hold episodes
+    of different lengths."""
+    digits = sum(int(c) for c in str(record["prompt"]) if c.isdigit())
+    return Scripted(record, 1 + digits % 2)
 
 
 def broken_factory(record: dict):
