@@ -157,6 +157,9 @@ class DataConfig:
     # null: template chat-message prompts only; true: text prompts too; false: never; a string: a template (Jinja text,
     # or a file holding it: TRL's chat_template_path) used instead of the tokenizer's, for every prompt
     chat_template: bool | str | None = None
+    # extra variables for the chat template (TRL's chat_template_kwargs, verl's apply_chat_template_kwargs), e.g.
+    # {enable_thinking: false} for Qwen3's
+    chat_template_kwargs: dict = field(default_factory=dict)
     system_prompt: str | None = None  # a system message first in every templated prompt that has none
     # offline: train on logged rollouts (files, or a folder such as runs/NAME/rollouts) instead of generating;
     # rows of prompt (or prompt_ids), response (or response_ids), score, optional logprobs and group (tasks/offline.py)
@@ -816,6 +819,11 @@ def _coerce(tp, value, where: str):
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r}: expected a string")
+        return value
+    if tp is dict:  # free-form (template variables): string keys, values as YAML gives them
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{where}={value!r}: expected a mapping of names to values, e.g. {{enable_thinking: "
+                              "false}")
         return value
     raise AssertionError(f"schema: unsupported type {tp} at {where}")
 

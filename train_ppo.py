@@ -135,7 +135,7 @@ class PPOTrainer:
                 max_prompt_len=cfg.data.max_prompt_len, max_response_len=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, prompt_key=cfg.data.prompt_key,
                 ground_truth_key=cfg.data.ground_truth_key, chat_template=cfg.data.chat_template,
-                system_prompt=cfg.data.system_prompt)
+                system_prompt=cfg.data.system_prompt, template_kwargs=cfg.data.chat_template_kwargs)
             if layout.rank == 0 and cfg.data.train_path:
                 log.warning("data.train_path=%r is not read: offline training takes its prompts from "
                             "data.rollouts_path (data.train_path=null says so)", cfg.data.train_path)
@@ -149,7 +149,7 @@ class PPOTrainer:
             self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
                                                                cfg.data.ground_truth_key), self.tokenizer,
                                            cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt,
-                                           tools)
+                                           tools, cfg.data.chat_template_kwargs)
         self.offline = isinstance(self.train_set, OfflineRollouts)
         # the reward pool scores the samples (not offline, whose scores are logged; not an environment's alone)
         self.scoring = not self.offline and "reward" in C.required_roles(cfg)
@@ -165,7 +165,8 @@ class PPOTrainer:
             self.eval_set = PromptDataset(load_eval_records(C.path_list(cfg.data.eval_path), cfg.data.prompt_key,
                                                             cfg.data.ground_truth_key), self.tokenizer,
                                           cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt,
-                                          self.envs.tool_schemas if self.envs is not None else None)
+                                          self.envs.tool_schemas if self.envs is not None else None,
+                                          cfg.data.chat_template_kwargs)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, seed=cfg.run.seed,
                                      shuffle=cfg.data.shuffle)
         steps_per_epoch = len(self.train_set) // cfg.data.batch_size
@@ -209,7 +210,7 @@ class PPOTrainer:
             template = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
             chat = bool(cfg.data.chat_template) or self.train_set.items[0]["messages"] is not None
             self.observe = ObservationTokens(self.tokenizer, chat, stops, template and chat_template_text(template),
-                                             self.envs.tool_schemas)
+                                             self.envs.tool_schemas, cfg.data.chat_template_kwargs)
             self._check_environment()
         self.kl_ctl = make_kl_controller(algo.kl.controller, algo.kl.coef, algo.kl.target, algo.kl.horizon)
         self.dp_reduce = reducer(self.pools["actor"].dp_group)  # statistics over the whole batch, on actor ranks
@@ -598,8 +599,9 @@ class PPOTrainer:
         return {"rollout/startup_logprob_gap": gap, "timing_s/engine_init": stats["engine_init_s"]}
 
     # ------------------------------------------------------------------------------------------------ eval
-    def evaluate(self) -> tuple[dict[str, float], list[tuple[int, str, str, float]]]:
-        """Greedy (rollout.eval_temperature) responses to the held-out prompts, scored by the reward pool."""
+    def evaluate(self) -> tuple[dict[str, float], list[tuple[int, str, str, float, dict]]]:
+        """Greedy (rollout.eval_temperature) responses to the held-out prompts, scored by the reward pool: the eval
+        metrics and (prompt index, prompt, response, score, the verl compute_score dict's numbers) per sample."""
         if self.eval_set is None:
             return {}, []
         P = self.pools
@@ -616,7 +618,8 @@ class PPOTrainer:
         scores, functions = {}, {}
         if self.reward is not None:
             s, reward_metrics, _ = self.reward.scores(to_reward, self.eval_set.items, training=False)
-            scores = {"scores": s}
+            # each sample's verl compute_score numbers (acc, ...) come back with its score, for eval_samples.jsonl
+            scores = {"scores": s, **{f"extra/{k}": v.to(s.device) for k, v in self.reward.last_extras.items()}}
             # each reward function's mean, and a verl compute_score dict's other numbers (verl's val-aux)
             functions = {f"eval/{k}": v for k, v in reward_metrics.items() if k.startswith("reward/fn/")}
         # the prompts were dealt round-robin, so the actor ranks' shares differ by one: each asks for its own back
@@ -635,9 +638,11 @@ class PPOTrainer:
             dist.all_gather_object(shares, sums, group=P["actor"].dp_group)
             local = eval_metrics(shares, self.eval_params.n)
             texts = decode_responses(self.tokenizer, batch)
+            extras = {k.removeprefix("extra/"): v.tolist() for k, v in back.items() if k.startswith("extra/")}
             for i, text in enumerate(texts):
                 index = int(batch["prompt_index"][i])
-                samples.append((index, self.eval_set[index]["prompt_text"], text, float(s[i])))
+                samples.append((index, self.eval_set[index]["prompt_text"], text, float(s[i]),
+                                {k: v[i] if v[i] == v[i] else None for k, v in extras.items()}))
         return {**local, **functions}, samples
 
     # ------------------------------------------------------------------------------------------------ loop
@@ -887,9 +892,10 @@ class PPOTrainer:
             return {}
         merged = {**(merged or {}), **ev}
         self._emit(step, merged)
-        samples = sorted(s for part in everyone for s in part)
-        self.logger.samples(step, [{"prompt": p, "response": r, "score": sc} for _, p, r, sc in samples])
-        for _, prompt, response, score in samples[:4]:
+        samples = sorted((s for part in everyone for s in part), key=lambda s: s[:4])
+        self.logger.samples(step, [{"prompt": p, "response": r, "score": sc, **extra}
+                                   for _, p, r, sc, extra in samples])
+        for _, prompt, response, score, _ in samples[:4]:
             self.logger.text("eval/samples", f"**prompt** {prompt!r}  \n**response** {response!r}  \n"
                                              f"**score** {score:.3f}", step)
         return ev

@@ -38,8 +38,9 @@ class ObservationTokens:
     one: the observation's text encoded as is (messages: their contents, one per line)."""
 
     def __init__(self, tokenizer, chat: bool, stop_ids: tuple[int, ...], template: str | None = None,
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, template_kwargs: dict | None = None):
         self.tokenizer, self.chat, self.template, self.tools = tokenizer, chat, template, tools or None
+        self.kwargs = template_kwargs or {}
         self.tail: list[int] = []
         if chat:
             base = self._render(_BASE, False)
@@ -54,7 +55,8 @@ class ObservationTokens:
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tools=self.tools,
-                                                  add_generation_prompt=generation_prompt, tokenize=False)
+                                                  add_generation_prompt=generation_prompt, tokenize=False,
+                                                  **self.kwargs)
 
     def __call__(self, observation, turn_ended: bool = True) -> list[int]:
         if not self.chat:

@@ -271,11 +271,12 @@ NO_TEMPLATE = ("give one with data.chat_template (Jinja text, or a file holding 
 
 def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase,
                    chat_template: bool | str | None = None,
-                   system_prompt: str | None = None, tools: list[dict] | None = None
-                   ) -> tuple[list[str], list[list[int]]]:
+                   system_prompt: str | None = None, tools: list[dict] | None = None,
+                   template_kwargs: dict | None = None) -> tuple[list[str], list[list[int]]]:
     """(rendered text, token ids) of each record's "prompt" (text or chat messages), templated as PromptDataset's
     docstring says; train_sft.py and train_rm.py encode their prompts with it too, so a model fine-tuned or scored
-    there sees the prompts train_ppo.py generates from. tools: JSON schemas the chat template shows (rollout.tools)."""
+    there sees the prompts train_ppo.py generates from. tools: JSON schemas the chat template shows (rollout.tools);
+    template_kwargs: the template's other variables (data.chat_template_kwargs)."""
     template = chat_template_text(chat_template) if isinstance(chat_template, str) else None
     chat_template = True if template is not None else chat_template  # a template given: every prompt goes through it
     has_template = template is not None or getattr(tokenizer, "chat_template", None) is not None
@@ -303,7 +304,8 @@ def render_prompts(records: list[dict], tokenizer: PreTrainedTokenizerBase,
             messages = [{"role": "system", "content": system_prompt}, *messages]
         try:
             prompt_texts.append(tokenizer.apply_chat_template(messages, chat_template=template, tools=tools or None,
-                                                              add_generation_prompt=True, tokenize=False))
+                                                              add_generation_prompt=True, tokenize=False,
+                                                              **(template_kwargs or {})))
         except Exception as e:  # the template's own checks (raise_exception): an unknown role, a bad order
             raise ValueError(f"{where}: the tokenizer's chat template refused this prompt (roles "
                              f"{[m.get('role') for m in messages]}): {e}") from e
@@ -343,6 +345,7 @@ class PromptDataset:
         chat_template: bool | str | None = None,
         system_prompt: str | None = None,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ):
         if max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be at least 1")
@@ -351,7 +354,8 @@ class PromptDataset:
         # a prompt far too long by its characters is dropped before the tokenizer sees it: a 50 MB line would take
         # many GB and minutes to tokenise, only to be dropped for its length
         short = [r for r in records if text_chars(r["prompt"]) <= max_prompt_len * MAX_CHARS_PER_TOKEN]
-        prompt_texts, prompt_ids = render_prompts(short, tokenizer, chat_template, system_prompt, tools) if short \
+        prompt_texts, prompt_ids = render_prompts(short, tokenizer, chat_template, system_prompt, tools,
+                                                  template_kwargs) if short \
             else ([], [])
 
         self.items = []

@@ -79,7 +79,7 @@ class OfflineRollouts:
 def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_size: int, max_prompt_len: int,
                         max_response_len: int, temperature: float = 1.0, prompt_key: str = "prompt",
                         ground_truth_key: str = "ground_truth", chat_template: bool | None = None,
-                        system_prompt: str | None = None) -> OfflineRollouts:
+                        system_prompt: str | None = None, template_kwargs: dict | None = None) -> OfflineRollouts:
     """The groups of logged responses in order of first appearance, each with `group_size` responses. Text
     responses are tokenised without special tokens and end with the tokenizer's eos (a finished response). Groups
     whose prompt is longer than `max_prompt_len` tokens are dropped and counted in the log, as online; every other
@@ -109,7 +109,8 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
             texts.setdefault(key, {"prompt": prompt, "where": where})
     encoded = {}
     if texts:
-        dataset = PromptDataset(list(texts.values()), tokenizer, 1 << 30, chat_template, system_prompt)
+        dataset = PromptDataset(list(texts.values()), tokenizer, 1 << 30, chat_template, system_prompt,
+                                template_kwargs=template_kwargs)
         encoded = dict(zip(texts, dataset.items))
 
     groups: dict[str, dict] = {}

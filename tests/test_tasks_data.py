@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import config as C
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.data import (
     PromptDataset,
@@ -223,6 +224,21 @@ def test_prompt_dataset_applies_the_chat_template():
         direct_ids = direct["input_ids"] if hasattr(direct, "keys") else direct
         assert item["prompt_ids"] == direct_ids
         assert item["ground_truth"] == record["ground_truth"]
+
+
+def test_chat_template_kwargs_reach_the_template():
+    # Qwen3's switch, in the shape its template has it: an empty thinking block after the generation prompt when off
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = (CHAT_TEMPLATE.replace("assistant: ", "assistant: {% if enable_thinking is defined and "
+                                                     "enable_thinking is false %}<think></think>{% endif %}"))
+    records = [{"prompt": [{"role": "user", "content": "1+2="}], "ground_truth": "3"}]
+    thinking = PromptDataset(records, tokenizer, max_prompt_len=100)[0]["prompt_text"]
+    off = PromptDataset(records, tokenizer, max_prompt_len=100, template_kwargs={"enable_thinking": False})
+    assert off[0]["prompt_text"] == thinking + "<think></think>" and thinking.endswith("assistant: ")
+    cfg = C.load_config(None, ["data.chat_template_kwargs={enable_thinking: false}"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(C.ConfigError, match="expected a mapping"):
+        C.load_config(None, ["data.chat_template_kwargs=[1]"])
 
 
 def test_prompt_dataset_chat_template_switch():
