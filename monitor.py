@@ -5,6 +5,7 @@ Prometheus gauges and Weights & Biases, and a console line per step. Other ranks
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import json
 import logging
@@ -336,8 +337,44 @@ def summary_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def console_defaults(metrics: dict[str, float]) -> list[str]:
+    """The console line's metrics when run.console_keys is not set, by the step's estimator: with a critic (GAE) its
+    value loss and explained variance beside the policy loss and KL; without (GRPO, RLOO, REINFORCE++, whose policy
+    loss and one-step KL say little) each reward function's mean, the entropy, the gradient norm and the KL loss.
+    Only the metrics the step has are shown."""
+    head = ["reward/score/mean"]
+    if "critic/vf_loss" in metrics:
+        body = ["actor/pg_loss", "critic/vf_loss", "critic/vf_explained_var", "actor/ppo_kl", "actor/entropy",
+                "actor/grad_norm"]
+    else:  # reward/fn/<name>/mean: a function's mean (its verl extras are reward/fn/<name>/<key>/mean)
+        head += sorted(k for k in metrics if k.startswith("reward/fn/") and k.endswith("/mean") and k.count("/") == 3)
+        body = ["actor/entropy", "actor/grad_norm", "actor/kl_loss"]
+    return [*head, "eval/score/mean", *body, "response_length/mean", "timing_s/step", "perf/throughput"]
+
+
+class ProgressBar(tqdm):
+    """tqdm's bar that, while shown, has the root logger's console handlers write their records through tqdm.write
+    (tqdm.contrib.logging), so a log line never lands on the bar's line; closing it puts the handlers back."""
+
+    def __init__(self, *args, **kwargs):
+        self._redirect = None
+        super().__init__(*args, **kwargs)
+        if not self.disable:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._redirect = logging_redirect_tqdm(tqdm_class=tqdm)
+            self._redirect.__enter__()
+
+    def close(self) -> None:
+        redirect, self._redirect = getattr(self, "_redirect", None), None
+        if redirect is not None:
+            redirect.__exit__(None, None, None)
+        super().close()
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: str, tensorboard: bool = True, prometheus_port: int | None = None):
+    def __init__(self, run_dir: str, tensorboard: bool = True, prometheus_port: int | None = None,
+                 console_keys: list[str] | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.prometheus = PrometheusGauges(prometheus_port) if prometheus_port is not None else None
         self.wandb: WandbRun | None = None  # open_wandb, once the run knows whether it resumes
@@ -347,6 +384,9 @@ class MetricsLogger:
         # check) leaves no event file behind
         self.tensorboard, self.tb = tensorboard, None
         self.start = time.time()
+        self.console_keys = list(console_keys or [])  # run.console_keys; empty: the estimator's own (console_defaults)
+        self.seen: set[str] = set()  # every metric name logged so far, for the check of console_keys
+        self.keys_checked = False
 
     def _board(self, purge_step: int | None = None):
         """The TensorBoard writer (None without TensorBoard), made on first use."""
@@ -402,10 +442,23 @@ class MetricsLogger:
         if self._board() is not None:
             self.tb.add_text(tag, text, step)
 
-    def console(self, step: int, total: int, metrics: dict[str, float], eta_s: float | None = None) -> None:
-        """One line per log_every steps (also in Slurm logs, where the progress bar is off), with the time left."""
-        keys = ("reward/score/mean", "eval/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl",
-                "response_length/mean", "timing_s/step", "perf/throughput")
+    def console(self, step: int, total: int, metrics: dict[str, float], eta_s: float | None = None,
+                keys: tuple[str, ...] | list[str] | None = None) -> None:
+        """One line per log_every steps (also in Slurm logs, where the progress bar is off), with the time left.
+        Its metrics: `keys`, else run.console_keys (this logger's console_keys), else the estimator's own
+        (console_defaults); a configured key no step has logged by the first train step is named once in a
+        warning, with the close names."""
+        self.seen.update(metrics)
+        if self.console_keys and step > 0 and not self.keys_checked:
+            self.keys_checked = True
+            unknown = [k for k in self.console_keys if k not in self.seen]
+            if unknown:
+                close = {k: difflib.get_close_matches(k, sorted(self.seen), n=3, cutoff=0.5) for k in unknown}
+                logging.getLogger("meshrl").warning(
+                    "run.console_keys: %s logged by no step so far; %s (every metric is in metrics.jsonl)",
+                    ", ".join(unknown), "; ".join(f"{k}: did you mean {', '.join(c)}?" if c else f"{k}: no close name"
+                                                  for k, c in close.items()))
+        keys = keys or self.console_keys or console_defaults(metrics)
         parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics]
         if eta_s is not None:
             minutes, seconds = divmod(int(round(eta_s)), 60)
@@ -413,9 +466,10 @@ class MetricsLogger:
         tqdm.write(f"step {step}/{total} " + " ".join(parts))
 
     def progress(self, start: int, total: int) -> tqdm:
-        """A progress bar over the steps (stderr, only on a terminal: logs stay clean)."""
-        return tqdm(total=total, initial=start, desc="steps", unit="step", dynamic_ncols=True,
-                    disable=not sys.stderr.isatty())
+        """A progress bar over the steps (stderr, only on a terminal: logs stay clean). While it is shown, the log
+        records of the console handlers are written through it (above the bar, which is drawn again below them)."""
+        return ProgressBar(total=total, initial=start, desc="steps", unit="step", dynamic_ncols=True,
+                           disable=not sys.stderr.isatty())
 
     def close(self) -> None:
         if self.prometheus is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -67,6 +68,9 @@ class Reward:
         self.fatal: str | None = None  # set when a step's failures pass reward.max_error_fraction
         # what TRL-style functions get as `trainer_state` (global_step, max_steps), kept up by the trainer
         self.trainer_state: dict = {"global_step": 0, "max_steps": 0}
+        # the last scores() call's per-sample numbers of verl compute_score dicts ({key: [B] float32, NaN where a
+        # sample's dict had none}), for the eval samples; a key two functions share is named function/key
+        self.last_extras: dict[str, torch.Tensor] = {}
 
     def check_functions(self, samples: list[tuple[str, dict]]) -> str | None:
         """One call of every reward function on each (where, record) before training, with the record's ground truth
@@ -110,6 +114,7 @@ class Reward:
         device = batch["response_ids"].device
         total = torch.zeros(n, dtype=torch.float32, device=device)
         sums: dict[str, float] = {}
+        self.last_extras = {}
         texts = decode_responses(self.tokenizer, batch)
         if self.model is not None:
             micro = micro_batches(batch, self.micro_batch_tokens, self.pool.dp_group, self.pack)
@@ -118,7 +123,7 @@ class Reward:
             total += self.cfg.model_weight * model_scores
             sums["reward/model_score/mean"] = float(model_scores.sum())
         if self.functions:
-            fn_total, fn_sums = self._function_scores(batch, records, texts, training)
+            fn_total, fn_sums, self.last_extras = self._function_scores(batch, records, texts, training)
             total += fn_total.to(device)
             sums.update(fn_sums)
         # one reduction over the pool's data-parallel ranks: sample count, then each mean's sum
@@ -128,12 +133,13 @@ class Reward:
         return total, metrics, texts
 
     def _function_scores(self, batch: Batch, records: list[dict], texts: list[str], training: bool = True
-                         ) -> tuple[torch.Tensor, dict[str, float]]:
-        """sum of weight x function over the configured functions [B] (CPU), and each function's score sum.
+                         ) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
+        """sum of weight x function over the configured functions [B] (CPU), each function's score sum, and the
+        per-sample numbers of verl compute_score dicts (last_extras).
         When more than reward.max_error_fraction of the pool's samples failed (errors, timeouts, non-finite or
         non-numeric results) in this call: sets `fatal` (training), or logs a warning (evaluation)."""
         lead = self.pool.tp == 1 or self.pool.tp_rank == 0
-        result = [None, None]
+        result = [None, None, None]
         failed, first_error = set(), None
         if lead:
             picked = [records[i] for i in batch["prompt_index"].tolist()]
@@ -144,7 +150,7 @@ class Reward:
             extras = [{"messages": r.get("messages"), "completion_ids": row[:n]}
                       for r, row, n in zip(picked, ids, lens)]
             total = torch.zeros(len(texts), dtype=torch.float32)
-            sums = {}
+            sums, per_sample = {}, {}
             for runner, weight, spec in self.functions:
                 values, stats = runner(texts, truths, prompts, columns, extras, self.trainer_state)
                 failed |= runner.last_failed
@@ -156,9 +162,11 @@ class Reward:
                 sums[f"reward/fn/{name}/mean"] = float(values.sum())
                 for key in runner.extra_keys:  # a verl compute_score dict's other numbers (acc, ...); 0 where absent
                     sums[f"reward/fn/{name}/{key}/mean"] = sum(e.get(key, 0.0) for e in runner.last_extras)
+                    per_sample[key if key not in per_sample else f"{name}/{key}"] = torch.tensor(
+                        [e.get(key, math.nan) for e in runner.last_extras], dtype=torch.float32)
                 for key, count in stats.items():
                     self.failures[key] = self.failures.get(key, 0.0) + float(count)
-            result = [total, sums]
+            result = [total, sums, per_sample]
         if self.pool.tp > 1:
             group = self.pool.mesh.get_group("tp")
             dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
@@ -172,4 +180,4 @@ class Reward:
                 log.warning("evaluation: reward functions failed on %d of %d samples (scored 0; training goes on); "
                             "a failure of this rank's: %s", int(counts[0]), int(counts[1]),
                             first_error or "(on another rank)")
-        return result[0], result[1]
+        return result[0], result[1], result[2]
