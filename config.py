@@ -724,6 +724,12 @@ FOREIGN_NAMES = {
     "trainer.save_freq": "checkpoint.save_every",
     "trainer.test_freq": "run.eval_every",
     "custom_reward_function.path": "reward.functions ([{spec: module.path:function}])",
+    "chat_template_kwargs": "data.chat_template_kwargs",
+    "data.apply_chat_template_kwargs": "data.chat_template_kwargs",
+    "environment_factory": "rollout.environment (module.path:factory; factory(record) -> env)",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.max_turns",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "rollout.tools ([module.path:function, ...])",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "rollout.environment (module.path:factory)",
     # the objectives (README "Objectives: which paper is which key" maps each value)
     "loss_type": "actor.loss_agg (grpo: seq-mean-token-mean; dapo, bnpo: token-mean; dr_grpo: "
                  "seq-mean-token-sum-norm with algorithm.norm_by_std=false; cispo: actor.policy_loss=cispo)",

@@ -106,6 +106,17 @@ def test_environment_pool_names_a_factory_that_cannot_load_or_fails():
         assert "no 'board' column" in pool.open({0: {}})[0].error
 
 
+def test_the_readmes_environment_runs_in_a_pool(tmp_path):
+    with open(C.__file__.replace("config.py", "README.md")) as f:
+        code = "# my_env.py" + f.read().split("```python\n# my_env.py")[1].split("```")[0]
+    (tmp_path / "my_env.py").write_text(code)
+    with EnvironmentPool("environment", [f"{tmp_path / 'my_env.py'}:make_env"], num_workers=1) as pool:
+        assert pool.open({0: {"prompt": "guess", "ground_truth": "7"}})[0].error is None
+        assert pool.step({0: "3"})[0].observation == "higher"
+        last = pool.step({0: " 7"})[0]
+        assert (last.observation, last.reward, last.done, last.info) == (None, 1.0, True, {"tries": 2.0})
+
+
 # ------------------------------------------------------------------------------------------------ episodes
 @pytest.fixture(scope="module")
 def scripted_pool():
