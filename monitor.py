@@ -453,7 +453,7 @@ class MetricsLogger:
             self.keys_checked = True
             unknown = [k for k in self.console_keys if k not in self.seen]
             if unknown:
-                close = {k: difflib.get_close_matches(k, sorted(self.seen), n=3, cutoff=0.5) for k in unknown}
+                close = {k: difflib.get_close_matches(k, sorted(self.seen), n=3, cutoff=0.8) for k in unknown}
                 logging.getLogger("meshrl").warning(
                     "run.console_keys: %s logged by no step so far; %s (every metric is in metrics.jsonl)",
                     ", ".join(unknown), "; ".join(f"{k}: did you mean {', '.join(c)}?" if c else f"{k}: no close name"

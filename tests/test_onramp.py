@@ -97,9 +97,34 @@ def test_ctrl_c_twice_during_a_save_stops_at_once_and_is_no_disk_failure(assets,
     assert ckpts(tmp_path / "runs") == ["latest", "step_00000001", "step_00000002"]
 
 
-def test_the_reward_workers_import_the_users_config_and_tasks_not_meshrls(assets, tmp_path):  # noqa: F811
+def hub_cache(home, source) -> None:
+    """A Hugging Face cache under `home` (HF_HOME) laid out as huggingface_hub writes it: the test model as the model
+    repo Org/Tiny and the addition data as the dataset repo org/addition (train and test splits, parquet files as the
+    hub's converted datasets have them)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for kind, repo, files in (("models", "Org--Tiny", {f.name: f for f in (source / "model").iterdir()}),
+                              ("datasets", "org--addition", {})):
+        revision = "0123456789abcdef0123456789abcdef01234567"
+        snapshot = home / "hub" / f"{kind}--{repo}" / "snapshots" / revision
+        (snapshot / "data").mkdir(parents=True)
+        for name, path in files.items():
+            shutil.copy(path, snapshot / name)
+        if kind == "datasets":
+            for split in ("train", "test"):
+                rows = [json.loads(line) for line in (source / f"{split}.jsonl").read_text().splitlines()]
+                pq.write_table(pa.Table.from_pylist(rows), snapshot / "data" / f"{split}-00000-of-00001.parquet")
+        (home / "hub" / f"{kind}--{repo}" / "refs").mkdir()
+        (home / "hub" / f"{kind}--{repo}" / "refs" / "main").write_text(revision)
+
+
+def test_the_reward_workers_import_the_users_modules_on_a_model_and_data_from_the_hub_cache(assets, tmp_path):  # noqa: F811
     """A user's reward folder with its own `config.py` and `tasks/` package, as meshrl has: the workers import the
-    user's (meshrl's folder is on the trainer's path only because train_ppo.py runs from it)."""
+    user's (meshrl's folder is on the trainer's path only because train_ppo.py runs from it). The run takes its model
+    and data by hub ids, offline, from a cache laid out as the hub's; its console line shows run.console_keys."""
     user = tmp_path / "job"
     (user / "tasks").mkdir(parents=True)
     (user / "config.py").write_text("WEIGHT = 0.25\n")
@@ -108,11 +133,38 @@ def test_the_reward_workers_import_the_users_config_and_tasks_not_meshrls(assets
     (user / "my_reward.py").write_text("import config\nfrom tasks.scoring import weighted\n\n\n"
                                        "def score(response, ground_truth, prompt):\n"
                                        "    return weighted(config.WEIGHT)\n")
+    hub_cache(tmp_path / "hf", assets)
     cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
+                       model={"path": "Org/Tiny"},
+                       data={"train_path": "org/addition", "eval_path": "org/addition:test"},
                        reward={"functions": [{"spec": "my_reward:score"}]})
-    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, PYTHONPATH=str(user))
+    proc = run_python(["train_ppo.py", "--config", cfg, "run.console_keys=[reward/score/mean,actor/entropy]"],
+                      timeout=300, PYTHONPATH=str(user), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE=1)
     assert proc.returncode == 0, explain(proc)
     assert read_metrics(tmp_path / "runs")[0]["eval/score/mean"] == 0.25
+    assert re.search(r"^step 1/1 reward/score/mean=0.25 actor/entropy=\S+ eta=", proc.stdout, re.M), proc.stdout
+
+
+def test_a_missing_path_says_it_was_tried_as_a_hub_id_and_that_offline_mode_is_on(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1", "response": "2"}\n')
+    for overrides, message in (
+            ([f"sft.train_path={tmp_path / 'd.jsonl'}", "model.path=Org/Absent"],
+             "model.path='Org/Absent': not a local path; tried as a Hugging Face hub model id 'Org/Absent': not in the "
+             f"hub cache {tmp_path}, and HF_HUB_OFFLINE=1 is set"),
+            (["sft.train_path=org/absent", f"model.path={tmp_path / 'm'}"],
+             "sft.train_path='org/absent': not a local path; tried as a Hugging Face hub dataset id 'org/absent': not "
+             f"in the hub cache {tmp_path}, and HF_HUB_OFFLINE=1 is set"),
+            ([f"sft.train_path={tmp_path / 'absent.jsonl'}", f"model.path={tmp_path / 'm'}"],
+             f"sft.train_path={str(tmp_path / 'absent.jsonl')!r}: not found")):
+        cfg = C.load_config(None, ["run.device=cpu", *overrides])
+        with pytest.raises(C.ConfigError) as error:
+            C.check_sft(cfg, 1)
+        assert str(error.value).startswith(message), error.value
 
 
 def test_lengths_beyond_the_models_positions_and_a_malformed_override_exit_2_in_one_line(assets, tmp_path):  # noqa: F811
@@ -167,6 +219,11 @@ def test_the_grpo_example_runs_on_the_quickstart_assets(tmp_path):
     metrics = tmp_path / "runs" / "grpo_example" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and "actor/kl_loss" in rows[1], rows[1].keys()
+    # GRPO's console line: the reward function's mean, entropy, gradient norm and KL loss (not PPO's policy loss)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("step 1/2 "))
+    keys = [part.split("=")[0] for part in line.split()[2:]]
+    assert keys[:2] == ["reward/score/mean", "reward/fn/tasks.synthetic:addition_reward/mean"], line
+    assert {"actor/entropy", "actor/grad_norm", "actor/kl_loss"} <= set(keys) and "actor/pg_loss" not in keys, line
 
 
 def test_offline_with_train_path_null_and_saved_rollouts_keep_the_records_columns(assets, tmp_path):  # noqa: F811
@@ -361,3 +418,58 @@ def test_a_verl_dicts_other_numbers_are_metrics_in_training_and_eval(assets, tmp
         acc, ones, score = (row[f"{prefix}{fn}/{key}"] for key in ("acc/mean", "ones/mean", "mean"))
         assert 0 <= acc <= 1 and score == pytest.approx(acc + ones / 10), row
         assert f"{prefix}{fn}/pred/mean" not in row
+    # and each eval sample keeps its dict's numbers (verl's reward_extra_info in its validation generations)
+    evals = [json.loads(line) for line in (tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()]
+    for sample in (s for e in evals for s in e["samples"]):
+        assert sample["acc"] in (0.0, 1.0) and sample["ones"] == sample["response"].count("1") and \
+            sample["score"] == pytest.approx(sample["acc"] + sample["ones"] / 10) and "pred" not in sample, sample
+
+
+def test_log_records_go_through_the_progress_bar_and_the_console_line_takes_its_keys(tmp_path, monkeypatch, capsys,
+                                                                                    caplog):
+    """On a terminal, a log record while the bar is shown is written above it (not onto the bar's line), and the
+    console handlers are the user's again once the bar closes. The console line shows run.console_keys (a name no
+    step logs is named once, with the close ones), else the estimator's own."""
+    import io
+    import logging
+
+    from monitor import MetricsLogger, console_defaults
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    handler = logging.StreamHandler(terminal)  # logging.basicConfig's, on the terminal
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        logger = MetricsLogger(str(tmp_path), tensorboard=False, console_keys=["actor/entropy", "actor/entropi"])
+        bar = logger.progress(0, 10)
+        bar.update(1)
+        logging.getLogger("meshrl").warning("a record")
+        bar.update(1)
+        bar.close()
+        assert handler in root.handlers
+        metrics = {"reward/score/mean": 0.5, "reward/fn/f/mean": 0.5, "reward/fn/f/acc/mean": 1.0,
+                   "actor/entropy": 1.25, "actor/grad_norm": 2.0, "actor/pg_loss": 0.1, "timing_s/step": 3.0}
+        logger.console(0, 10, {"eval/score/mean": 0.5})
+        logger.console(1, 10, metrics)
+        logger.console(2, 10, metrics)
+        logger.close()
+    finally:
+        root.removeHandler(handler)
+    text = terminal.getvalue()
+    at = text.index("a record")
+    assert text[at - 1] in "\r\n", repr(text[max(0, at - 80) : at + 10])
+    assert capsys.readouterr().out.splitlines()[1:] == ["step 1/10 actor/entropy=1.25", "step 2/10 actor/entropy=1.25"]
+    warned = [r.getMessage() for r in caplog.records if "run.console_keys" in r.getMessage()]
+    assert len(warned) == 1 and "actor/entropi: did you mean actor/entropy?" in warned[0], warned
+    assert console_defaults(metrics)[:2] == ["reward/score/mean", "reward/fn/f/mean"]
+    assert {"actor/entropy", "actor/grad_norm"} <= set(console_defaults(metrics))
+    assert "actor/pg_loss" not in console_defaults(metrics)
+    gae = console_defaults({**metrics, "critic/vf_loss": 0.3})
+    assert "critic/vf_loss" in gae and "actor/pg_loss" in gae and "reward/fn/f/mean" not in gae
+    with pytest.raises(C.ConfigError, match="run.console_keys"):
+        C.load_config(None, ["run.console_keys=[actor/entropy,actor/entropy]"])
