@@ -639,6 +639,9 @@ class PPOTrainer:
             local = eval_metrics(shares, self.eval_params.n)
             texts = decode_responses(self.tokenizer, batch)
             extras = {k.removeprefix("extra/"): v.tolist() for k, v in back.items() if k.startswith("extra/")}
+            if self.envs is not None:  # the episodes' turns per sample, and their metrics on the eval set
+                extras["episode"] = self.last_episodes.transcripts
+                local.update({f"eval/{k}": v for k, v in self._episode_metrics().items()})
             for i, text in enumerate(texts):
                 index = int(batch["prompt_index"][i])
                 samples.append((index, self.eval_set[index]["prompt_text"], text, float(s[i]),

@@ -303,7 +303,9 @@ def test_grpo_on_an_environments_reward_alone_over_two_fsdp_ranks(assets, tmp_pa
     assert 1.0 < turns < 2.0 and step["env/steps/mean"] == pytest.approx(2 * turns - 1), step
     assert step["episode/env_errors/mean"] == 0.0 and step["episode/truncated/mean"] == 0.0
     assert step["reward/score/mean"] == pytest.approx(step["episode/env_reward/mean"])
-    assert "eval/score/mean" in rows[-1]
+    assert "eval/score/mean" in rows[-1] and 1.0 <= rows[-1]["eval/episode/turns/mean"] <= 2.0
+    evals = [json.loads(line) for line in (tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()]
+    assert all(sample["episode"][0]["role"] == "model" for sample in evals[-1]["samples"])
     saved = pd.read_parquet(tmp_path / "runs" / "t" / "rollouts" / "step_1.parquet")
     assert len(saved) == 32 and set(saved["response_mask"].map(lambda m: list(m).count(0))) == {0, 1}
     plus = build_char_tokenizer("0123456789+=").convert_tokens_to_ids("+")
