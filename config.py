@@ -1480,7 +1480,9 @@ def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Co
                     + ("\n\nplanner: --plan [--world N] [--gpu-memory GiB] [--suggest] [--json] prints the memory per "
                        "role and rank\nfrom the config and the models' config.json files, and a placement with "
                        "--suggest (--plan --help)" if check in (None, check_ppo) else ""),
-        epilog=describe_schema(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        # the schema's listing reads config.py's source (seconds): only for --help, not on every start
+        epilog=describe_schema() if any(a == "-h" or (len(a) > 2 and "--help".startswith(a)) for a in argv) else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (configs/*.yaml)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the checked config (defaults, file and overrides) as YAML and exit")
