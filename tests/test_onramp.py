@@ -220,7 +220,7 @@ def test_the_grpo_example_runs_on_the_quickstart_assets(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and "actor/kl_loss" in rows[1], rows[1].keys()
     # GRPO's console line: the reward function's mean, entropy, gradient norm and KL loss (not PPO's policy loss)
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("step 1/2 "))
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2 "))
     keys = [part.split("=")[0] for part in line.split()[2:]]
     assert keys[:2] == ["reward/score/mean", "reward/fn/tasks.synthetic:addition_reward/mean"], line
     assert {"actor/entropy", "actor/grad_norm", "actor/kl_loss"} <= set(keys) and "actor/pg_loss" not in keys, line
