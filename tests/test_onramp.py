@@ -167,20 +167,26 @@ def test_a_missing_path_says_it_was_tried_as_a_hub_id_and_that_offline_mode_is_o
         assert str(error.value).startswith(message), error.value
 
 
-def test_lengths_beyond_the_models_positions_and_a_malformed_override_exit_2_in_one_line(assets, tmp_path):  # noqa: F811
+def config_error(argv: list[str], capsys) -> list[str]:
+    """The stderr lines of the check every entry point runs first (config.parse_or_exit, rank 0 of a world of one),
+    which must exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        C.parse_or_exit(argv, 1, 0)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_lengths_beyond_the_models_positions_and_a_malformed_override_exit_2_in_one_line(assets, tmp_path,  # noqa: F811
+                                                                                         capsys):
     # the test model has 64 positions; its prompts are short, so the run would go until a long prompt came
     cfg = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", data={"max_prompt_len": 60},
                        rollout={"max_new_tokens": 8})
-    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
-    assert proc.returncode == 2, explain(proc)
-    assert proc.stderr.strip().splitlines() == [
+    assert config_error(["--config", cfg], capsys) == [
         "config error: data.max_prompt_len=60 + rollout.max_new_tokens=8 = 68 tokens: more than the model's "
         f"max_position_embeddings=64 (model.path={str(assets / 'model')!r}); lower them to add up to at most 64"]
     assert not (tmp_path / "runs").exists()
-    proc = run_python(["train_ppo.py", "--config", cfg, "data.max_prompt_len=56", "reward.functions=[{spec:"])
-    assert proc.returncode == 2, explain(proc)
-    assert len(proc.stderr.strip().splitlines()) == 1, explain(proc)
-    assert proc.stderr.startswith("config error: override 'reward.functions=[{spec:': the value is not valid YAML")
+    [line] = config_error(["--config", cfg, "data.max_prompt_len=56", "reward.functions=[{spec:"], capsys)
+    assert line.startswith("config error: override 'reward.functions=[{spec:': the value is not valid YAML")
 
 
 @pytest.mark.parametrize("override,hint", [
@@ -226,7 +232,8 @@ def test_the_grpo_example_runs_on_the_quickstart_assets(tmp_path):
     assert {"actor/entropy", "actor/grad_norm", "actor/kl_loss"} <= set(keys) and "actor/pg_loss" not in keys, line
 
 
-def test_offline_with_train_path_null_and_saved_rollouts_keep_the_records_columns(assets, tmp_path):  # noqa: F811
+def test_offline_with_train_path_null_and_saved_rollouts_keep_the_records_columns(assets, tmp_path,  # noqa: F811
+                                                                                  capsys):
     records = [json.loads(line) for line in (assets / "train.jsonl").read_text().splitlines()]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({**r, "source_id": f"s{i}", "extra_info": {"index": i}}) + "\n"
@@ -255,8 +262,8 @@ def test_offline_with_train_path_null_and_saved_rollouts_keep_the_records_column
     assert f"data.train_path={str(assets / 'train.jsonl')!r} is not read: offline training takes its prompts from " \
            "data.rollouts_path" in proc.stderr, explain(proc)
     # online, a train_path of null is named as missing, in one line
-    proc = run_python(["train_ppo.py", "--config", online, "data.train_path=null"], timeout=300)
-    assert proc.returncode == 2 and proc.stderr.startswith("config error: data.train_path is not set"), explain(proc)
+    [line] = config_error(["--config", online, "data.train_path=null"], capsys)
+    assert line.startswith("config error: data.train_path is not set"), line
 
 
 def make(folder, *args) -> subprocess.CompletedProcess:
