@@ -37,14 +37,16 @@ log = logging.getLogger("meshrl")
 CONSOLE_KEYS = ("sft/loss", "eval/loss", "sft/grad_norm", "sft/lr", "timing_s/step")
 # what an SFT checkpoint means: resuming with another of these would train something else
 PROTECTED = ("model.path", "sft.train_path", "sft.prompt_key", "sft.response_key", "sft.messages_key",
-             "sft.batch_size", "data.chat_template", "data.system_prompt", "actor.lora.rank", "actor.lora.alpha",
+             "sft.batch_size", "data.chat_template", "data.system_prompt", "data.chat_template_kwargs",
+             "actor.lora.rank", "actor.lora.alpha",
              "actor.lora.target_modules", "actor.lora.modules_to_save")
 
 
 def load_data(cfg: C.Config, tokenizer) -> tuple[list, list]:
     """(train, held-out) encoded records (roles.sft.encode_pairs); ValueError for bad data."""
     s = cfg.sft
-    template = dict(chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
+    template = dict(chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt,
+                    template_kwargs=cfg.data.chat_template_kwargs)
     train = encode_pairs(load_sft_records(s.train_path, s.prompt_key, s.response_key, s.messages_key), tokenizer,
                          **template)
     held_out = encode_pairs(load_sft_records(s.eval_path, s.prompt_key, s.response_key, s.messages_key),

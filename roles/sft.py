@@ -18,15 +18,18 @@ from tasks.data import render_prompts
 
 
 def encode_pairs(records: list[dict], tokenizer, chat_template: bool | str | None = None,
-                 system_prompt: str | None = None) -> list[tuple[list[int], int | list[tuple[int, int]]]]:
+                 system_prompt: str | None = None, template_kwargs: dict | None = None
+                 ) -> list[tuple[list[int], int | list[tuple[int, int]]]]:
     """(token ids, what the loss is on) per record (tasks.data.load_sft_records). A prompt/response pair (TRL's
     prompt/completion too): prompt + response + eos ids and the prompt's length (the loss is on the response and the
     eos), the prompt encoded as train_ppo.py encodes its own (tasks.data.render_prompts with data.chat_template and
     data.system_prompt: chat messages templated with the generation prompt; text as is, or templated with
-    chat_template=True). A conversation (`messages`): encode_conversation's ids and assistant spans."""
+    chat_template=True; template_kwargs: data.chat_template_kwargs). A conversation (`messages`):
+    encode_conversation's ids and assistant spans."""
     prompt_records = [(i, r) for i, r in enumerate(records) if "messages" not in r]
     _, prompts = render_prompts([{"prompt": r["prompt"], "where": r.get("where", f"record {i}")}
-                                 for i, r in prompt_records], tokenizer, chat_template, system_prompt) \
+                                 for i, r in prompt_records], tokenizer, chat_template, system_prompt,
+                                template_kwargs=template_kwargs) \
         if prompt_records else ([], [])
     out: list = [None] * len(records)
     for (i, r), prompt in zip(prompt_records, prompts):
@@ -35,13 +38,13 @@ def encode_pairs(records: list[dict], tokenizer, chat_template: bool | str | Non
     for i, r in enumerate(records):
         if "messages" in r:
             out[i] = encode_conversation(r["messages"], tokenizer, chat_template, system_prompt,
-                                         r.get("where", f"record {i}"))
+                                         r.get("where", f"record {i}"), template_kwargs)
     return out
 
 
 def encode_conversation(messages: list[dict], tokenizer, chat_template: bool | str | None = None,
-                        system_prompt: str | None = None, where: str = "record"
-                        ) -> tuple[list[int], list[tuple[int, int]]]:
+                        system_prompt: str | None = None, where: str = "record",
+                        template_kwargs: dict | None = None) -> tuple[list[int], list[tuple[int, int]]]:
     """(ids, assistant spans) of a chat conversation (TRL's `messages` format), the loss on the assistant turns only
     (TRL's assistant_only_loss; its default trains every token). Each assistant turn is the text the template adds for
     it after the conversation before it with the generation prompt, i.e. what train_ppo.py would have the model
@@ -67,7 +70,7 @@ def encode_conversation(messages: list[dict], tokenizer, chat_template: bool | s
     def render(upto: int, generation_prompt: bool) -> str:
         try:
             return tokenizer.apply_chat_template(messages[:upto], chat_template=template, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
+                                                 add_generation_prompt=generation_prompt, **(template_kwargs or {}))
         except Exception as e:  # the template's own checks (raise_exception): an unknown role, a bad order
             raise ValueError(f"{where}: the chat template refused this conversation (roles "
                              f"{[m['role'] for m in messages]}): {e}") from e

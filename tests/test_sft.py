@@ -79,9 +79,16 @@ def test_sft_two_ranks_saves_a_loadable_model_that_learned(tmp_path):
 
 
 def run_sft(*argv: str) -> int:
+    """train_sft.py's main in this process (a world of one), on one thread as the launched runs (OMP_NUM_THREADS=1:
+    two threads of two test processes on two cores run several times slower)."""
     import train_sft
 
-    return train_sft.main(list(argv))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_sft.main(list(argv))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_lora_sft_saves_an_adapter_folder_that_learned(tmp_path):
