@@ -14,12 +14,16 @@ FENCE = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.S)
 
 
 def program(prompt: str, response: str, test: str, entry_point: str) -> str:
-    """The program to run: the response as the function's body after its prompt, or, when the response holds a fenced
-    block that defines the function itself (chat models do), that block after the prompt's imports."""
+    """The program to run: the response as the function's body after its prompt, or, when the response defines the
+    function itself (chat models do: in a fenced block, or bare and ended by a fence), that code after the prompt's
+    imports."""
+    defines = re.compile(rf"^def {re.escape(entry_point)}\b", re.M)
     block = FENCE.search(response)
-    if block and re.search(rf"^def {re.escape(entry_point)}\b", block.group(1), re.M):
+    # a chat model's whole function: in a fenced block, or as the response itself up to a stray fence
+    code = block.group(1) if block and defines.search(block.group(1)) else response.split("```")[0]
+    if defines.search(code):
         imports = "\n".join(line for line in prompt.splitlines() if line.startswith(("import ", "from ")))
-        body = f"{imports}\n{block.group(1)}"
+        body = f"{imports}\n{code}"
     else:
         body = prompt + response
     return f"{body}\n\n{test}\n\ncheck({entry_point})\n"

@@ -70,6 +70,7 @@ PROBLEM = {"prompt": "def add(a, b):\n    \"\"\"The sum of a and b.\"\"\"\n",
     ("    return a + b\n", 1.0, 0.0, 0.0),
     ("    return a - b\n", 0.0, 0.0, 1.0),
     ("Sure:\n```python\ndef add(a, b):\n    return b + a\n```", 1.0, 0.0, 0.0),  # a chat model's whole function
+    ("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n```\n\n", 1.0, 0.0, 0.0),  # bare, a stray fence after it
     ("    while True:\n        pass\n", 0.0, 1.0, 0.0),
     ("    import os\n    os.fork()\n", 0.0, 0.0, 1.0),
     ("1 + 2 = 3", 0.0, 0.0, 1.0),
