@@ -1258,9 +1258,9 @@ def _check_positions(cfg: Config, roles: tuple[str, ...]) -> None:
 
 
 def check_lora(cfg: Config, world_size: int, this_machine: bool = True) -> None:
-    """actor.lora / critic.lora: a target list that names something, an adapter folder that exists, no tensor
-    parallelism on the role's pool, and (actor) the native engine on the actor's own ranks, which decodes the merged
-    weights (roles/lora.py)."""
+    """actor.lora / critic.lora: a target list that names something, an adapter folder that exists, and no tensor
+    parallelism on the role's pool. Every engine decodes the merged weights (roles/lora.py): the actor's own native
+    engine merges them in place, the others (vLLM, split placement's replicas) are sent them merged."""
     pools = pools_of(cfg, world_size)
     for role in ("actor", "critic"):
         lora = getattr(cfg, role).lora
@@ -1282,11 +1282,6 @@ def check_lora(cfg: Config, world_size: int, this_machine: bool = True) -> None:
             where = "placement.tp" if cfg.placement.mode == "colocate" else f"the {pool.name or role} pool's tp"
             raise ConfigError(f"{role}.lora with {where}={pool.tp}: LoRA runs with FSDP2 only for now (the adapters "
                               f"are not split by the tensor-parallel plans); use tp=1, or {role}.lora.rank=0")
-    actor = cfg.actor.lora
-    if (actor.rank > 0 or actor.init_path) and world_rollout(cfg):
-        raise ConfigError("actor.lora with rollout.engine=vllm or rollout.ranks=all: the adapters are merged only "
-                          "into the native engine on the actor's ranks; use rollout.engine=native and "
-                          "rollout.ranks=actor (or auto), or actor.lora.rank=0")
 
 
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:

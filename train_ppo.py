@@ -285,15 +285,17 @@ class PPOTrainer:
         else:
             # the dtype the actor's own engines generate with, unsharded
             units, dtype = units_of_split(world, actor_pool), DTYPES[cfg.actor.fsdp.param_dtype]
-            if self.actor is not None:
-                engine = self.actor.engine
+            if self.actor is not None:  # a LoRA actor generates on its merged weights (Actor.generate)
+                engine = self.actor if self.actor.lora is not None else self.actor.engine
             else:
                 arch = AutoConfig.from_pretrained(path, trust_remote_code=trust)
                 with torch.device(device):
                     model = AutoModelForCausalLM.from_config(arch, dtype=dtype, trust_remote_code=trust)
                 engine = Replica(model, pad, **native_engine_options(r))
+        # the engines with a copy of their own (vLLM, the replicas) take a LoRA actor's merged weights
+        lora = self.actor.lora if self.actor is not None else None
         return WorldRollout(engine, units, actor_pool, self.actor.model if self.actor is not None else None, pad,
-                            dtype, device)
+                            dtype, device, weights=lora.merged_weights if lora is not None else None)
 
     def _engine_stats(self) -> tuple[float, dict[str, float]]:
         """(timing_s/reshard, the engine's stats) of the last rollout."""

@@ -17,7 +17,7 @@ architectures are streamed after the parameters, as a checkpoint would store the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ def weight_buckets(
     bucket_bytes: int = 256 << 20,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's full (unsharded) weights as lists of (hf_name, tensor), at most `bucket_bytes` bytes a list.
 
@@ -66,7 +67,8 @@ def weight_buckets(
     unsharded, where the parameter is. A tensor that
     needs no gather, cast or move shares storage with the parameter: copy it before the next update to keep it.
     A bucket's bytes (`numel * element_size` after the cast) are <= `bucket_bytes`, except a single tensor larger than
-    the bound, which goes alone.
+    the bound, which goes alone. weights: the (name, tensor) pairs to stream instead of named_weights(model), read
+    after the reshard (a LoRA model's merged weights: roles/lora.Adapters.merged_weights).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -74,8 +76,8 @@ def weight_buckets(
         module.reshard()
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in named_weights(model):
-        tensor = _whole(tensor, dtype, device)
+    for name, tensor in (named_weights(model) if weights is None else weights):
+        tensor = whole(tensor, dtype, device)
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -96,7 +98,9 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def _whole(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+def whole(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """The tensor whole (a DTensor gathered over its mesh: collective), detached, cast to `dtype` (floating-point
+    only) and on `device` (None: where it lies)."""
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
         local = tensor.to_local()

@@ -70,6 +70,11 @@ class Actor:
             self.engine = NativeEngine(self.model, pad_token_id, lockstep_group=pool.dp_group, tp_group=tp_group,
                                        **options)
 
+    @property
+    def stats(self) -> dict[str, float]:
+        """The native engine's of the last generate call (what rollout/world.py reads of an engine)."""
+        return self.engine.stats
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None) -> RolloutOutput:
         """Responses from the native engine on the actor's parameters in place (engine.stats["reshard_s"]: its
         unshard / reshard time). With LoRA the engine reads the base weights with the adapters merged in."""

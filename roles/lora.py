@@ -16,12 +16,14 @@ roles/modeling.py, packing and `logits_to_keep` included, runs unchanged) and ke
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from parallel.fsdp import DTYPES
+from parallel.reshard import named_weights, whole
 from parallel.tp import decoder_layers
 from roles.reference import Reference
 
@@ -134,6 +136,35 @@ class Adapters:
             for module in fsdp:
                 module.reshard()
                 module.set_reshard_after_forward(reshard_after_forward, recurse=False)
+
+    def merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's weights as an engine without LoRA takes them (parallel/reshard.weight_buckets' `weights`, for
+        the engines that keep their own copy: vLLM, the replicas of split placement): each adapted base weight with
+        B @ A x scaling added, in float32; the trained copies of `modules_to_save` under their originals' names; the
+        adapters themselves left out. Collective under FSDP2 like weight_buckets (each tensor is gathered whole, in
+        the same order on every rank); call it with the model resharded."""
+        adapted = {name: m for name, m in self.model.named_modules() if m in set(self.lora_layers())}
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_weights(self.model):
+            owner, _, leaf = name.rpartition(".")
+            if ".lora_" in name or ".modules_to_save." in name:
+                continue
+            if owner.endswith(".base_layer") and owner[: -len(".base_layer")] in adapted:
+                layer = adapted[owner[: -len(".base_layer")]]
+                if ADAPTER in getattr(layer, "lora_embedding_A", {}) or not isinstance(layer.get_base_layer(),
+                                                                                       nn.Linear):
+                    raise NotImplementedError(f"{owner}: only LoRA on linear layers streams its merged weights")
+                value = whole(tensor, torch.float32, None)
+                if leaf == "weight" and ADAPTER in layer.lora_A:
+                    a = whole(layer.lora_A[ADAPTER].weight, torch.float32, None)
+                    b = whole(layer.lora_B[ADAPTER].weight, torch.float32, None)
+                    value = value + (b @ a) * layer.scaling[ADAPTER]
+                yield name.replace(".base_layer.", "."), value
+            elif ".original_module." in name:
+                trained = params[name.replace(".original_module.", f".modules_to_save.{ADAPTER}.")]
+                yield name.replace(".original_module.", "."), trained
+            else:
+                yield name, tensor
 
     def save(self, out: str) -> None:
         """The adapter folder (adapter_config.json, adapter_model.safetensors) that

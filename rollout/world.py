@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -133,13 +133,16 @@ class WorldRollout:
 
     engine: this rank's engine, with generate(prompts, params, generator) -> RolloutOutput; with sync_weights(stream)
         when it keeps its own copy of the weights (vLLM, Replica), without it for the actor's in-place native engine.
+    weights: the (name, tensor) stream of the actor's weights as the engines take them (a LoRA actor's merged ones,
+        roles/lora.Adapters.merged_weights); None: the model's parameters.
     actor: the actor's pool (every rank holds the Pool object); model: the actor's sharded model on its ranks, None
         elsewhere. dtype: the dtype the weights travel and are loaded in. device: where outputs are returned.
     """
 
     def __init__(self, engine, units: Units, actor: Pool, model: nn.Module | None, pad_token_id: int,
-                 dtype: torch.dtype, device: torch.device, bucket_bytes: int = 256 << 20):
-        self.engine, self.units, self.actor, self.model = engine, units, actor, model
+                 dtype: torch.dtype, device: torch.device, bucket_bytes: int = 256 << 20,
+                 weights: Callable[[], Iterable] | None = None):
+        self.engine, self.units, self.actor, self.model, self.weights = engine, units, actor, model, weights
         self.pad_token_id, self.dtype, self.device, self.bucket_bytes = pad_token_id, dtype, device, bucket_bytes
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.unit = units.unit_of[self.rank]
@@ -168,7 +171,8 @@ class WorldRollout:
         stream: Iterator | None = None
         if self.model is not None:
             device = self.device if keeps_copy or self.broadcast_group is not None else None
-            stream = weight_buckets(self.model, self.bucket_bytes, dtype=self.dtype, device=device)
+            stream = weight_buckets(self.model, self.bucket_bytes, dtype=self.dtype, device=device,
+                                    weights=self.weights() if self.weights is not None else None)
         if self.broadcast_group is not None:
             stream = broadcast_buckets(stream, self.broadcast_group, self.src, comm_device(self.broadcast_group))
         error = None

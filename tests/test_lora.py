@@ -25,7 +25,6 @@ SECTIONS = dict(actor={**LORA, "optim": {"lr": 3e-2}}, critic={**LORA, "optim": 
 
 @pytest.mark.parametrize("overrides, message", [
     (["placement.tp=2"], "actor.lora with placement.tp=2"),
-    (["rollout.engine=vllm"], "merged only into the native engine"),
     (["actor.lora.target_modules=q_proj"], "a list of module names"),
     (["actor.lora.target_modules=[]"], "name the modules to adapt"),
     (["actor.lora.alpha=0"], "actor.lora.alpha=0.0"),
@@ -134,6 +133,23 @@ def test_lora_grpo_colocate_two_ranks_learns(assets, tmp_path):  # noqa: F811
     assert "critic/vf_loss" not in rows[1] and rows[1]["actor/ref_kl"] == pytest.approx(0, abs=1e-6)
     assert rows[-1]["actor/ref_kl"] > 1e-2 and rows[-1]["actor/kl_loss"] > 1e-2
     assert_learns(rows[1:])
+
+
+def test_lora_split_pools_send_the_merged_weights_to_the_replicas(assets, tmp_path):  # noqa: F811
+    # rollout.ranks=all: the reward's rank generates on a replica, sent the actor's weights with the adapters merged
+    # (the actor's own engine merges them in place); in float32 every sample's engine log-probs are the actor's
+    # teacher-forced ones with its adapters, which the updates have moved away from the base by step 2
+    split = {"mode": "split", "pools": [{"name": "actor", "size": 1, "roles": ["actor"]},
+                                        {"name": "reward", "size": 1, "roles": ["reward"]}]}
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 3}, placement=split,
+                       algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False}}, rollout={"ranks": "all"},
+                       actor=SECTIONS["actor"])
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=400)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(tmp_path / "runs")[1:]
+    assert all(r["timing_s/reshard"] > 0 for r in rows[1:]), rows
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, [r["rollout/logprob_diff_max"] for r in rows]
+    assert rows[1]["actor/grad_norm"] > 0
 
 
 def test_lora_resume_equals_uninterrupted(assets, tmp_path):  # noqa: F811
