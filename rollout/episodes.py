@@ -24,6 +24,9 @@ import torch
 
 from rollout.api import RolloutOutput, SamplingParams
 
+# an observation longer than this many characters per token of room left is not tokenised (a hostile or broken
+# environment's 50 MB answer would take minutes): the episode ends there, truncated (tasks/data.py's bound for prompts)
+MAX_CHARS_PER_TOKEN = 64
 # the conversation a chat template renders before an observation: what an observation's tokens are cut from
 _BASE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
@@ -132,6 +135,9 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
 
     def append_observation(e: int, observation, turn_ended: bool) -> bool:
         """Put an observation's tokens in the episode; False when they and a whole turn after them do not fit."""
+        text = observation if isinstance(observation, str) else "".join(m["content"] for m in observation)
+        if len(text) > (max_tokens - len(ids[e])) * MAX_CHARS_PER_TOKEN:
+            return False
         tokens = observe(observation, turn_ended)
         if len(ids[e]) + len(tokens) + params.max_new_tokens > max_tokens:
             return False

@@ -178,6 +178,15 @@ def test_plain_text_episodes_are_token_exact_and_mask_the_observations(scripted_
     assert episodes.sums["episode/turns"] == 8 and episodes.sums["env/steps"] == 3 * 4
 
 
+def test_a_flood_of_observation_ends_the_episode_without_tokenising_it(scripted_pool):
+    tokenizer = build_char_tokenizer("0123456789+=ab")
+    model = build_tiny_causal_lm(len(tokenizer), hidden_size=32, intermediate_size=64, max_position_embeddings=128)
+    observe = ObservationTokens(tokenizer, chat=False, stop_ids=(tokenizer.eos_token_id,))
+    episodes = play(model, tokenizer, scripted_pool, [tokenizer("1+2=")["input_ids"]], [{"mode": "flood"}], observe,
+                    n=1)  # 50 MB of digits would take minutes to tokenise and could never fit
+    assert [t["role"] for t in episodes.transcripts[0]] == ["model"] and episodes.sums["episode/truncated"] == 1
+
+
 def test_greedy_turns_equal_hf_greedy_on_the_history(scripted_pool):
     tokenizer = build_char_tokenizer("0123456789+=ab")
     model = build_tiny_causal_lm(len(tokenizer), hidden_size=32, intermediate_size=64, max_position_embeddings=128)

@@ -29,6 +29,8 @@ class Scripted:
                 return None, "high", True
             if self.mode == "bad_obs":
                 return 42, 0.0, False
+        if self.mode == "flood":
+            return "9" * 50_000_000, 0.0, False
         reward = text.count("1") / max(len(text), 1)
         if self.steps >= self.length:
             return None, reward, True, {"steps": self.steps}
