@@ -292,7 +292,7 @@ def curve(runs: list[dict]) -> list[tuple[int, float, float]]:
     return points
 
 
-def report(results: list[dict], out_dir: Path | None) -> str:
+def report(results: list[dict], out_dir: Path | None, level: float | None = None) -> str:
     systems = group(results)
     lines = []
     eval_steps = sorted(set.intersection(*({e["step"] for r in runs for e in r["evals"]}
@@ -335,6 +335,13 @@ def report(results: list[dict], out_dir: Path | None) -> str:
                 else:
                     lines.append(f"{system} does not reach it within its {curve(runs)[-1][0]} steps "
                                  f"(mean final accuracy {curve(runs)[-1][1]:.3f}).")
+    if level is not None:
+        for system, runs in systems.items():
+            starts = [r["start_s"] for r in runs if r.get("start_s")]
+            reached = next(((step, secs) for step, acc, secs in curve(runs) if acc >= level), None)
+            lines.append(f"{system}: mean accuracy >= {level:.3f} " + (
+                f"at step {reached[0]}, {reached[1]:.1f} training s ({reached[1] + statistics.mean(starts):.0f} s "
+                "with start-up)" if reached and starts else "not reached"))
     for system, runs in systems.items():
         diffs = [r["logprob_diff_max"] for r in runs if r.get("logprob_diff_max") is not None]
         if diffs:
@@ -357,7 +364,7 @@ def plot(systems: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.8))
-    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     for colour, (system, runs) in zip(colours, systems.items()):
         for i, r in enumerate(runs):
             kw = {"color": colour, "linestyle": ["-", "--", ":"][i % 3], "marker": "o", "markersize": 3,
@@ -369,8 +376,7 @@ def plot(systems: dict[str, list[dict]], path: Path) -> None:
     for ax in (by_step, by_time):
         ax.set_ylabel("held-out accuracy (greedy, 200 problems)")
         ax.grid(alpha=0.3)
-    by_time.set_xscale("symlog", linthresh=10)
-    by_step.legend(fontsize=7)
+    by_step.legend(fontsize=6, loc="lower right")
     fig.suptitle("SmolLM2-135M-Instruct, GRPO on reasoning-gym chain_sum", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -568,6 +574,8 @@ def main() -> None:
     ap.add_argument("--vllm", default=str(ROOT / ".vllm"), help="--pack: the vLLM bundle's parts ('' for none)")
     ap.add_argument("--margin", type=int, default=1_500_000, help="--pack: bytes left free in each call")
     ap.add_argument("--unpack", default=None, metavar="CHUNK", help="on the GPU machine: stage this chunk")
+    ap.add_argument("--level", type=float, default=None,
+                    help="also print the training seconds each system takes to this held-out accuracy")
     ap.add_argument("--tag", default="", help="a label added to the system's name (e.g. for runs with overrides)")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("extra", nargs="*", help="key=value overrides for meshrl's runs")
@@ -593,7 +601,7 @@ def main() -> None:
     if args.report:
         results = [r for f in args.report for r in (lambda x: x if isinstance(x, list) else [x])(
             json.loads(Path(f).read_text()))]
-        print(report(results, out))
+        print(report(results, out, args.level))
         return
     results = []
     for system in args.systems:
@@ -623,7 +631,7 @@ def main() -> None:
                           f"{s.get('response_len') or float('nan'):.1f}  {s['step_s']:.3f} s", flush=True)
                 print(f"  {system} seed {seed}: {time.time() - began:.0f} s in all", flush=True)
             results.append(r)
-    print(report(results, out))
+    print(report(results, out, args.level))
 
 
 if __name__ == "__main__":
