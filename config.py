@@ -1258,8 +1258,8 @@ def _check_positions(cfg: Config, roles: tuple[str, ...]) -> None:
 
 
 def check_lora(cfg: Config, world_size: int, this_machine: bool = True) -> None:
-    """actor.lora / critic.lora: a target list that names something, an adapter folder that exists, and no tensor
-    parallelism on the role's pool. Every engine decodes the merged weights (roles/lora.py): the actor's own native
+    """actor.lora / critic.lora: a target list that names something, an adapter folder that exists, and no dropout
+    under tensor parallelism. Every engine decodes the merged weights (roles/lora.py): the actor's own native
     engine merges them in place, the others (vLLM, split placement's replicas) are sent them merged."""
     pools = pools_of(cfg, world_size)
     for role in ("actor", "critic"):
@@ -1278,10 +1278,10 @@ def check_lora(cfg: Config, world_size: int, this_machine: bool = True) -> None:
             raise ConfigError(f"{role}.lora.init_path={lora.init_path!r}: not a peft adapter folder (no "
                               "adapter_config.json there)")
         pool = next((p for p in pools if role in p.roles), None)
-        if pool is not None and pool.tp > 1:
+        if pool is not None and pool.tp > 1 and lora.dropout > 0:
             where = "placement.tp" if cfg.placement.mode == "colocate" else f"the {pool.name or role} pool's tp"
-            raise ConfigError(f"{role}.lora with {where}={pool.tp}: LoRA runs with FSDP2 only for now (the adapters "
-                              f"are not split by the tensor-parallel plans); use tp=1, or {role}.lora.rank=0")
+            raise ConfigError(f"{role}.lora.dropout={lora.dropout} with {where}={pool.tp}: the tensor-parallel ranks "
+                              "would drop different features of the same input; use dropout 0 with tp > 1")
 
 
 def _check_tp_heads(cfg: Config, tp: int, where: str) -> None:

@@ -6,6 +6,10 @@ Megatron-style: q/k/v and gate/up are split by output features (ColwiseParallel)
 Embeddings, norms and heads stay replicated: the logits (and values, scores) come out whole on every tp rank. Per-head
 q/k norms (Qwen3, Gemma 3) stay replicated too, each rank norming its own whole heads; a q/k norm over the whole
 projection (OLMo 2) would norm each rank's share alone, so those models are refused.
+LoRA (peft's layers wrap a projection as base_layer + lora_A -> lora_B): the base is split as the projection would
+be; of the adapter, the matrix on the split side is split the same way and the other stays whole: a column-split
+projection's lora_B by output features (lora_A whole: its input is the whole hidden state), a row-split one's lora_A
+by input features (its partial sums joined by an all-reduce of `rank` numbers per token; lora_B whole).
 Apply before FSDP (2-D: tp inside a node, dp_shard across).
 """
 
@@ -54,5 +58,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         raise ValueError(f"tensor parallelism: model_type {model_type!r} fuses q/k/v and gate/up in one weight each, "
                          "which this plan does not split; set tp to 1 for it (FSDP2 shards it)")
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, {name: style() for name, style in LAYER_PLAN.items()})
+        plan = {}
+        for name, style in LAYER_PLAN.items():
+            module = layer.get_submodule(name)
+            if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a peft LoRA layer
+                plan[f"{name}.base_layer"] = style()
+                split = "lora_B" if style is ColwiseParallel else "lora_A"
+                plan.update({f"{name}.{split}.{adapter}": style() for adapter in getattr(module, split)})
+            else:
+                plan[name] = style()
+        parallelize_module(layer, tp_mesh, plan)
     return model

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from parallel.fsdp import DTYPES
 from parallel.reshard import named_weights, whole
@@ -28,6 +29,11 @@ from parallel.tp import decoder_layers
 from roles.reference import Reference
 
 ADAPTER = "default"  # peft's name of the one adapter a role trains
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel DTensor's shard on this rank; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def lora_enabled(lora_cfg) -> bool:
@@ -116,11 +122,14 @@ class Adapters:
                     saved.append((w, w.detach().clone()))
                 linear = isinstance(layer.get_base_layer(), nn.Linear) and not getattr(layer, "fan_in_fan_out", False)
                 if linear and ADAPTER in layer.lora_A:  # B @ A in float32 (peft's own keeps the weights' dtype)
-                    a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+                    # on this rank's shards under tensor parallelism (parallel/tp.py splits the base and the
+                    # adapter's matrix on the same side): B_local @ A_local is the local part of B @ A
+                    a, b = _local(layer.lora_A[ADAPTER].weight), _local(layer.lora_B[ADAPTER].weight)
                     delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]
                 else:
                     delta = layer.get_delta_weight(ADAPTER).float()
-                w.detach().copy_((w.detach().float() + delta).to(w.dtype))
+                w = _local(w).detach()
+                w.copy_((w.float() + delta).to(w.dtype))
             for wrapper in self.saved_modules():
                 trained = dict(wrapper.modules_to_save[ADAPTER].named_parameters())
                 for name, p in wrapper.original_module.named_parameters():

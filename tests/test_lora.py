@@ -24,7 +24,7 @@ SECTIONS = dict(actor={**LORA, "optim": {"lr": 3e-2}}, critic={**LORA, "optim": 
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["placement.tp=2"], "actor.lora with placement.tp=2"),
+    (["placement.tp=2", "actor.lora.dropout=0.1"], "actor.lora.dropout=0.1 with placement.tp=2"),
     (["actor.lora.target_modules=q_proj"], "a list of module names"),
     (["actor.lora.target_modules=[]"], "name the modules to adapt"),
     (["actor.lora.alpha=0"], "actor.lora.alpha=0.0"),

@@ -3,8 +3,9 @@ argument; prints 'PASS <check>'.
 
 - only the adapters (and the critic's value head) train: the optimizer holds them alone, float32, the base frozen in
   param_dtype;
-- one update of the actor and of the critic logs the same metrics on 1 rank and on 2 (FSDP2 shards the base) and
-  ends at the same adapters;
+- one update of the actor and of the critic logs the same metrics on 1 rank, on 2 (FSDP2 shards the base) and on 2
+  with tensor parallelism (the base and one matrix of each adapter split, parallel/tp.py) and ends at the same
+  adapters;
 - the native engine decodes the merged weights: its log-probs equal the trainer's teacher-forced ones with the
   adapters on (float32), on 1 rank and on 2, on the slot engine and on the HF-forward path, and the sharded base is
   bit-for-bit what it was;
@@ -18,6 +19,7 @@ import torch
 
 import config as C
 from monitor import gather_metrics
+from parallel.layout import build_layout
 from roles.actor import Actor
 from roles.critic import Critic
 from roles.lora import BaseReference
@@ -50,6 +52,7 @@ def _shard_like(full: torch.Tensor, param) -> torch.Tensor:
 def main() -> None:
     rank, model_path, solo, pair = one_and_two_ranks(sys.argv[1])
     cpu = torch.device("cpu")
+    tp = build_layout([C.PoolConfig("tp", 2, ["actor", "critic"], tp=2)], "cpu")
 
     # what trains: the adapters (and the critic's head) in float32, the base frozen in param_dtype
     cfg = C.load_config(None, [*LORA, "actor.fsdp.param_dtype=bfloat16"])
@@ -95,15 +98,18 @@ def main() -> None:
 
     two, w_two = update(pair.pools[0], select(full, slice(rank * 4, rank * 4 + 4)))
     logged_one, logged_two = gather_metrics(one), gather_metrics(two)
+    split, w_split = update(tp.pools[0], select(full, slice(0, 8)))  # tp peers hold the same rows
+    logged_split = gather_metrics(split)
     if rank == 0:
         keys = [k for k in logged_one if not k.endswith("/lr")]
         assert {"actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"} <= set(keys), keys
         assert logged_one["actor/grad_norm"] > 0 and logged_one["critic/grad_norm"] > 0
-        for key in keys:
-            close(logged_one[key], logged_two[key], key)
-        for name, w in w_one.items():
-            torch.testing.assert_close(w_two[name], w, rtol=1e-4, atol=1e-6, msg=f"adapter {name}")
-        say(f"PASS same metrics 1 vs 2 ranks ({len(keys)} keys)")
+        for other, w_other, how in ((logged_two, w_two, "FSDP2"), (logged_split, w_split, "TP")):
+            for key in keys:
+                close(logged_one[key], other[key], f"{how} {key}")
+            for name, w in w_one.items():
+                torch.testing.assert_close(w_other[name], w, rtol=1e-4, atol=1e-6, msg=f"{how} adapter {name}")
+        say(f"PASS same metrics 1 vs 2 ranks, FSDP2 and TP ({len(keys)} keys)")
 
     # the engine decodes the merged weights: its log-probs are the trainer's with the adapters on; the base is
     # untouched; the reference with the adapters off is the base model's
@@ -113,7 +119,8 @@ def main() -> None:
     hf_forward = C.load_config(None, [*LORA, "actor.fsdp.param_dtype=float32", "rollout.compact_forward=false"])
     for name, pool, mine, rollout in (("1 rank", solo.pools[0], prompts, gen_cfg.rollout),
                                       ("2 ranks", pair.pools[0], prompts[rank::2], gen_cfg.rollout),
-                                      ("2 ranks HF forward", pair.pools[0], prompts[rank::2], hf_forward.rollout)):
+                                      ("2 ranks HF forward", pair.pools[0], prompts[rank::2], hf_forward.rollout),
+                                      ("2 ranks TP", tp.pools[0], prompts, gen_cfg.rollout)):
         if not pool.has(rank):
             continue
         a = Actor(model_path, gen_cfg.actor, pool, cpu, 0, 10, comm_cfg=gen_cfg.comm, rollout_cfg=rollout)
