@@ -82,6 +82,16 @@ def resume(cfg: C.Config, root: str, roles: dict, generator: torch.Generator) ->
     return state["step"]
 
 
+def give_up(error: Exception, code: int, rank: int, lock) -> int:
+    """One line on rank 0, the run folder's lock let go, the process group shut down: the exit code to return."""
+    if rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    if lock is not None:
+        lock.close()
+    shutdown()
+    return code
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_libraries()
@@ -122,12 +132,7 @@ def main(argv: list[str]) -> int:
                 log.warning("removed %s, a checkpoint an earlier run did not finish writing", name)
         start = resume(cfg, root, roles, generator)
     except (C.ConfigError, checkpoint.ResumeError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        if lock is not None:
-            lock.close()
-        shutdown()
-        return 2
+        return give_up(e, 2, rank, lock)
     if rank == 0:
         logger = MetricsLogger(run_dir, cfg.run.tensorboard, console_keys=cfg.run.console_keys)
         logger.truncate_after(start if start else -1)  # what was logged after the checkpoint is done again
@@ -180,12 +185,7 @@ def main(argv: list[str]) -> int:
                     log.info("stop signal received: saved step %d; run the same command again to go on", step)
                 break
     except checkpoint.SaveError as e:  # a full disk: the last good checkpoint is named
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        if lock is not None:
-            lock.close()
-        shutdown()
-        return 1
+        return give_up(e, 1, rank, lock)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
