@@ -60,7 +60,7 @@ from roles.modeling import all_reduce_sum
 from roles.reference import Reference
 from roles.reward import Reward, decode_responses
 from rollout.api import stop_token_ids
-from rollout.episodes import ObservationTokens, episode_record, run_episodes
+from rollout.episodes import ObservationTokens, SharedEnvironments, episode_record, run_episodes
 from rollout.native import RolloutOutput, SamplingParams
 from rollout.world import Replica, WorldRollout, units_in_blocks, units_of_split
 from tasks.data import (
@@ -125,7 +125,7 @@ class PPOTrainer:
         self.pad = pad = padding_id(self.tokenizer, cfg.model.tokenizer_path or path)
         # multi-turn episodes: the environments' (or tools') worker processes; the tools' schemas go into the
         # prompts' chat template
-        self.envs, tools = self._environments(layout)
+        self.envs, self.tools = self._environments(layout)
         if cfg.data.rollouts_path:  # offline: logged responses and scores, no generation in the train steps
             files = rollout_files(C.path_list(cfg.data.rollouts_path))
             self.data_files = file_fingerprints(files)  # in each checkpoint: a resume refuses edited files
@@ -149,7 +149,7 @@ class PPOTrainer:
             self.train_set = PromptDataset(load_prompt_records(cfg.data.train_path, cfg.data.prompt_key,
                                                                cfg.data.ground_truth_key), self.tokenizer,
                                            cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt,
-                                           tools, cfg.data.chat_template_kwargs)
+                                           self.tools, cfg.data.chat_template_kwargs)
         self.offline = isinstance(self.train_set, OfflineRollouts)
         # the reward pool scores the samples (not offline, whose scores are logged; not an environment's alone)
         self.scoring = not self.offline and "reward" in C.required_roles(cfg)
@@ -165,8 +165,7 @@ class PPOTrainer:
             self.eval_set = PromptDataset(load_eval_records(C.path_list(cfg.data.eval_path), cfg.data.prompt_key,
                                                             cfg.data.ground_truth_key), self.tokenizer,
                                           cfg.data.max_prompt_len, cfg.data.chat_template, cfg.data.system_prompt,
-                                          self.envs.tool_schemas if self.envs is not None else None,
-                                          cfg.data.chat_template_kwargs)
+                                          self.tools, cfg.data.chat_template_kwargs)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, seed=cfg.run.seed,
                                      shuffle=cfg.data.shuffle)
         steps_per_epoch = len(self.train_set) // cfg.data.batch_size
@@ -210,7 +209,7 @@ class PPOTrainer:
             template = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
             chat = bool(cfg.data.chat_template) or self.train_set.items[0]["messages"] is not None
             self.observe = ObservationTokens(self.tokenizer, chat, stops, template and chat_template_text(template),
-                                             self.envs.tool_schemas, cfg.data.chat_template_kwargs)
+                                             self.tools, cfg.data.chat_template_kwargs)
             self._check_environment()
         self.kl_ctl = make_kl_controller(algo.kl.controller, algo.kl.coef, algo.kl.target, algo.kl.horizon)
         self.dp_reduce = reducer(self.pools["actor"].dp_group)  # statistics over the whole batch, on actor ranks
@@ -436,27 +435,38 @@ class PPOTrainer:
             return None
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
 
-    def _environments(self, layout: Layout) -> tuple[EnvironmentPool | None, list[dict] | None]:
-        """(the pool of environment workers on the actor's ranks, the tools' JSON schemas) of an episode run; the
-        other ranks start one worker for the schemas (their prompts show the tools too) and stop it."""
+    def _environments(self, layout: Layout) -> tuple[EnvironmentPool | SharedEnvironments | None, list[dict] | None]:
+        """(the environments of an episode run on the actor's ranks, the tools' JSON schemas). The pool of workers
+        runs on each actor dp rank's first tp rank, shared with its tp peers (SharedEnvironments); the other ranks
+        start one worker for the schemas (their prompts show the tools too) and stop it."""
         r = self.cfg.rollout
         if not C.episodes(self.cfg):
             return None, None
         kind, specs = ("environment", [r.environment]) if r.environment else ("tools", r.tools)
-        pool = EnvironmentPool(kind, specs, r.env_workers if layout.hosts("actor") else 1, r.env_timeout_s,
-                               r.tool_timeout_s)
-        if not layout.hosts("actor"):
+        actor = layout.pool_of("actor")
+        hosts = layout.hosts("actor") and actor.tp_rank_of(self.rank) == 0
+        pool = EnvironmentPool(kind, specs, r.env_workers if hosts else 1, r.env_timeout_s, r.tool_timeout_s)
+        schemas = pool.tool_schemas or None
+        if not hosts:
             pool.close()
-            return None, pool.tool_schemas or None
-        return pool, pool.tool_schemas or None
+            pool = None
+        if layout.hosts("actor") and actor.tp > 1:
+            group = actor.mesh.get_group("tp")
+            return SharedEnvironments(pool, group, dist.get_global_rank(group, 0)), schemas
+        return pool, schemas
 
     def _check_environment(self) -> None:
-        """The environment made and reset on the first train record before any work: a factory that fails says so
-        (ValueError, exit 2) with its traceback."""
+        """The environment made and reset on the first train record before any work: a factory that fails, or a
+        first observation under a chat template (it belongs in the prompt's messages), says so (ValueError, exit 2)."""
         result = self.envs.open({0: episode_record(self.train_set.items[0])})[0]
         self.envs.close_episodes([0])
+        what = f"rollout.environment={self.cfg.rollout.environment!r}" if self.cfg.rollout.environment else \
+            f"rollout.tools={self.cfg.rollout.tools}"
         if result.error is not None:
-            raise ValueError(f"{self.envs.what} failed its start-up call on the first train record:\n{result.error}")
+            raise ValueError(f"{what} failed its start-up call on the first train record:\n{result.error}")
+        if result.observation is not None and self.observe.chat:
+            raise ValueError(f"{what}: reset() returned an observation for a chat-templated prompt; put it in the "
+                             "prompt's messages (the data), or return None")
 
     def _episodes(self, dataset: PromptDataset, mine: list[int], params: SamplingParams) -> Batch | None:
         """Multi-turn episodes (rollout/episodes.py) of this dp rank's prompts; on ranks outside the actor's pool
@@ -480,7 +490,7 @@ class PPOTrainer:
             generate, [dataset[i]["prompt_ids"] for i in mine], [episode_record(dataset[i]) for i in mine],
             self.envs, self.observe, params, max_turns=r.max_turns, max_tokens=C.response_budget(self.cfg),
             reward_mode=r.episode_reward, decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
-            any_running=lambda flag: anyone(flag, group))
+            any_running=lambda flag: anyone(flag, group), max_prompt_tokens=self.cfg.data.max_prompt_len)
         self.last_episodes = episodes
         batch = rollout_batch(episodes.output, [i for i in mine for _ in range(params.n)], self.device,
                               episodes.lengths)

@@ -69,7 +69,8 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
     score_stats = A.global_stats(batch["scores"], reduce)
     m.update(_prefixed("reward/score", score_stats))
     m.update(_prefixed("critic/score", {k: v for k, v in score_stats.items() if k != "var"}))  # verl's name
-    lengths = batch["response_len"].float()
+    # the model's tokens: the response's length, but for an episode's observations (mask 0) between its turns
+    lengths = mask.sum(-1).float()
     m.update(_prefixed("response_length", A.global_stats(lengths, reduce)))
     m.pop("response_length/var", None)
     m.update({f"prompt_length/{k}": v for k, v in A.global_stats(batch["prompt_len"].float(), reduce).items()
@@ -79,7 +80,7 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
     # 1. shaped scores
     scores = batch["scores"].float()
     if f.overlong_buffer:
-        scores = scores + overlong_penalty(batch["response_len"], max_response_len, f.overlong_buffer,
+        scores = scores + overlong_penalty(lengths, max_response_len, f.overlong_buffer,
                                            f.overlong_penalty).to(scores.dtype)
         m.update(_prefixed("reward/shaped_score", A.global_stats(scores, reduce)))
 

@@ -152,7 +152,8 @@ class Adapters:
         B @ A x scaling added, in float32; the trained copies of `modules_to_save` under their originals' names; the
         adapters themselves left out. Collective under FSDP2 like weight_buckets (each tensor is gathered whole, in
         the same order on every rank); call it with the model resharded."""
-        adapted = {name: m for name, m in self.model.named_modules() if m in set(self.lora_layers())}
+        layers = set(self.lora_layers())
+        adapted = {name: m for name, m in self.model.named_modules() if m in layers}
         params = dict(self.model.named_parameters())
         for name, tensor in named_weights(self.model):
             owner, _, leaf = name.rpartition(".")

@@ -21,40 +21,45 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from rollout.api import RolloutOutput, SamplingParams
 
 # an observation longer than this many characters per token of room left is not tokenised (a hostile or broken
 # environment's 50 MB answer would take minutes): the episode ends there, truncated (tasks/data.py's bound for prompts)
 MAX_CHARS_PER_TOKEN = 64
-# the conversation a chat template renders before an observation: what an observation's tokens are cut from
-_BASE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+# the conversation a chat template renders before an observation; the assistant's text marks where its turn is
+_MARK = "meshrl-assistant-turn"
+_BASE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _MARK}]
 
 
 class ObservationTokens:
     """The token ids an observation adds after a model turn.
 
-    With a chat template (chat=True): the tokens the template renders after an assistant turn for the observation's
-    messages (a str is a user message), up to and including the next assistant header, taken as the difference of
-    two renderings of a fixed conversation; the template's own tokens after the assistant's end-of-turn token (a
-    newline in ChatML) come first, and the end-of-turn token itself when the turn was cut by its length. Without
-    one: the observation's text encoded as is (messages: their contents, one per line)."""
+    With a chat template (chat=True): what the template renders after an assistant turn's end-of-turn token for the
+    observation's messages (a str is a user message), up to and including the next assistant header: cut from one
+    rendering of a fixed conversation with the messages after it, so a template that renders earlier turns otherwise
+    once more follow (Qwen3 drops an old turn's empty thinking block) gives the same tokens; the end-of-turn token
+    comes first when the turn did not end with it (cut by its length, or ended by another stop token). Without one:
+    the observation's text encoded as is (messages: their contents, one per line). A template that renders no
+    end-of-turn stop token after an assistant turn, or none of a user and a tool message after it, fails here."""
 
     def __init__(self, tokenizer, chat: bool, stop_ids: tuple[int, ...], template: str | None = None,
                  tools: list[dict] | None = None, template_kwargs: dict | None = None):
         self.tokenizer, self.chat, self.template, self.tools = tokenizer, chat, template, tools or None
         self.kwargs = template_kwargs or {}
-        self.tail: list[int] = []
+        self.end = None
         if chat:
             base = self._render(_BASE, False)
-            ids = tokenizer(base, add_special_tokens=False)["input_ids"]
-            ends = [i for i, t in enumerate(ids) if t in stop_ids]
+            after = base[base.rfind(_MARK) + len(_MARK):] if _MARK in base else ""
+            ends = [t for t in tokenizer(after, add_special_tokens=False)["input_ids"] if t in stop_ids]
             if not ends:
                 raise ValueError("the chat template writes none of the stop tokens "
                                  f"{[tokenizer.convert_ids_to_tokens(t) for t in stop_ids]} after an assistant turn, "
                                  "so a turn's end cannot be told; add its end-of-turn token to rollout.stop_token_ids")
-            self.end, self.tail = ids[ends[-1]], ids[ends[-1] + 1:]
-            self.base = base
+            self.end, self.end_text = ends[0], tokenizer.decode([ends[0]])
+            for probe in ("probe", [{"role": "tool", "content": "probe"}]):  # a template that cannot: now
+                self(probe)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tools=self.tools,
@@ -66,13 +71,47 @@ class ObservationTokens:
             text = observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         messages = [{"role": "user", "content": observation}] if isinstance(observation, str) else observation
-        full = self._render(_BASE + messages, True)
-        if not full.startswith(self.base):
-            raise ValueError("the chat template renders a conversation differently once messages follow it (it is "
-                             "not prefix-stable), so the tokens between turns cannot be cut from it; roles "
-                             f"{[m['role'] for m in messages]}")
+        try:
+            full = self._render(_BASE + messages, True)
+        except Exception as e:  # the template's own refusals (raise_exception): a role it does not know
+            raise ValueError(f"the chat template refused messages of roles {[m['role'] for m in messages]} after "
+                             f"an assistant turn: {e}") from e
+        at = full.find(_MARK)
+        end = full.find(self.end_text, at + len(_MARK)) if at >= 0 else -1
+        if end < 0:
+            raise ValueError("the chat template does not render an assistant turn and its end before messages of "
+                             f"roles {[m['role'] for m in messages]}, so the tokens between turns cannot be cut")
         close = [] if turn_ended else [self.end]
-        return close + self.tail + self.tokenizer(full[len(self.base):], add_special_tokens=False)["input_ids"]
+        return close + self.tokenizer(full[end + len(self.end_text):], add_special_tokens=False)["input_ids"]
+
+
+class SharedEnvironments:
+    """The environments of ranks that must see the same episodes (tensor-parallel peers, which generate together):
+    the pool (tasks/environments.EnvironmentPool) runs on the group's rank `src` only, and each call's results go
+    to the others, so an environment runs once, and a random or timed-out one cannot make the peers' histories
+    differ. pool: the pool on `src`, None elsewhere."""
+
+    def __init__(self, pool, group: dist.ProcessGroup, src: int):
+        self.pool, self.group, self.src = pool, group, src
+
+    def _shared(self, call: str, argument):
+        result = [getattr(self.pool, call)(argument) if self.pool is not None else None]
+        dist.broadcast_object_list(result, src=self.src, group=self.group)
+        return result[0]
+
+    def open(self, records: dict) -> dict:
+        return self._shared("open", records)
+
+    def step(self, texts: dict) -> dict:
+        return self._shared("step", texts)
+
+    def close_episodes(self, episodes) -> None:
+        if self.pool is not None:
+            self.pool.close_episodes(episodes)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
 
 def episode_record(item: dict) -> dict:
@@ -95,18 +134,19 @@ class Episodes:
     transcripts: list[list[dict]]
     sums: dict[str, float]
     count: int
-    first_error: str | None
 
 
 def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOutput], prompts: list[list[int]],
                  records: list[dict], envs, observe: ObservationTokens, params: SamplingParams, *, max_turns: int,
                  max_tokens: int, reward_mode: str, decode: Callable[[list[int]], str],
-                 any_running: Callable[[bool], bool]) -> Episodes:
+                 any_running: Callable[[bool], bool], max_prompt_tokens: int | None = None) -> Episodes:
     """params.n episodes per prompt (consecutive, as an engine's samples), each with its own environment made from
     its prompt's record. generate(prompts, params) samples one turn per prompt (n=1 is passed); max_tokens bounds
     the response (turns and observations; an observation is added only when a whole turn fits after it, so the
     history never outgrows prompt + max_tokens); reward_mode "sum" or "last" of the steps' rewards. `any_running(flag)`:
-    True when some rank sharing the engine still has an episode running (collective)."""
+    True when some rank sharing the engine still has an episode running (collective). max_prompt_tokens bounds the
+    prompt with reset()'s observation (plain text only: under a chat template that belongs in the data); an episode
+    whose first observation is refused runs one turn unstepped, counted as an environment error."""
     n = params.n
     count = len(prompts) * n
     turn_params = dataclasses.replace(params, n=1)
@@ -156,11 +196,15 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
                 ended(e, result)
                 broken.add(e)
             elif result.observation is not None:  # shown before the first turn: part of the prompt
-                tokens = observe(result.observation)
-                if observe.chat:  # after the prompt's generation prompt, not after an assistant turn
-                    raise ValueError("env.reset() returned an observation for a chat-templated prompt: put it in "
-                                     "the prompt's messages (the data), or return None")
-                history[e] += tokens
+                room = (max_prompt_tokens or 1 << 30) - len(history[e])
+                text = result.observation if isinstance(result.observation, str) else \
+                    "".join(m["content"] for m in result.observation)
+                tokens = [] if observe.chat or len(text) > room * MAX_CHARS_PER_TOKEN else observe(result.observation)
+                if observe.chat or not 0 < len(tokens) <= room:  # refused: counted, and the episode runs unstepped
+                    sums["episode/env_errors"] += 1
+                    broken.add(e)
+                else:
+                    history[e] += tokens
 
     for turn in range(max_turns):
         order = sorted(running)
@@ -168,7 +212,7 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
             break
         out = generate([history[e] for e in order], turn_params)
         lengths = out.response_mask.sum(-1).tolist()
-        texts, stopped, cut = {}, {}, {}
+        texts, closed, cut = {}, {}, {}
         for row, e in enumerate(order):
             room = max_tokens - len(ids[e])
             length = min(int(lengths[row]), room)
@@ -179,16 +223,19 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
             history[e] += tokens
             turns[e] += 1
             transcripts[e].append({"role": "model", "text": decode(tokens), "tokens": length})
-            stopped[e] = length > 0 and tokens[-1] in params.stop_token_ids
+            stopped = length > 0 and tokens[-1] in params.stop_token_ids
+            # under a chat template a turn is closed by the template's own end token only (another stop token, as
+            # Qwen's <|endoftext|>, gets it added before the observation)
+            closed[e] = stopped and (observe.end is None or tokens[-1] == observe.end)
             cut[e] = length < int(lengths[row])  # by the episode's budget
-            sums["episode/turns_cut"] += not stopped[e]
+            sums["episode/turns_cut"] += not stopped
             if e not in broken:
                 texts[e] = decode(tokens)
         results = envs.step(texts)  # every turn goes to its environment, the last one too (its reward)
         for e in order:
             if e in broken or ended(e, results[e]):
                 running.discard(e)
-            elif turn == max_turns - 1 or cut[e] or not append_observation(e, results[e].observation, stopped[e]):
+            elif turn == max_turns - 1 or cut[e] or not append_observation(e, results[e].observation, closed[e]):
                 sums["episode/truncated"] += 1  # the environment would have gone on
                 running.discard(e)
     envs.close_episodes(range(count))
@@ -210,4 +257,4 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
     prompt_ids = [history[e][: len(history[e]) - len(ids[e])] for e in range(count)]
     return Episodes(RolloutOutput(prompt_ids, response, response_mask, response_logprobs),
                     torch.tensor([len(x) for x in ids], dtype=torch.long),
-                    torch.tensor(rewards, dtype=torch.float32), transcripts, sums, count, envs.first_error)
+                    torch.tensor(rewards, dtype=torch.float32), transcripts, sums, count)

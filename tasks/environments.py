@@ -242,8 +242,15 @@ def _worker_main(conn, kind: str, specs: list[str], sys_path: list[str], tool_ti
             else:
                 result = _check_step(envs[episode].step(argument))
         except Exception:
+            error = traceback.format_exc()
+            broken = envs.pop(episode, None)  # its episode ends: what it holds (a sandbox, a process) is let go
+            if broken is not None and hasattr(broken, "close"):
+                try:
+                    broken.close()
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
             if op != "close":
-                conn.send(("error", episode, traceback.format_exc()))
+                conn.send(("error", episode, error))
             continue
         conn.send(("ok", episode, result))
 
@@ -349,6 +356,7 @@ class EnvironmentPool:
         for request in requests:
             queues[request[1] % len(self._workers)].append(request)
         results: dict[int, StepResult] = {}
+        retried: set[int] = set()  # opens sent again to the successor of a worker found dead
         while any(queues) or any(w.busy is not None for w in self._workers):
             for slot, worker in enumerate(self._workers):
                 while worker.busy is None and queues[slot]:
@@ -358,9 +366,14 @@ class EnvironmentPool:
                         continue
                     try:
                         worker.conn.send((op, episode, argument))
-                    except OSError:
-                        results[episode] = StepResult(error="the environment's worker died")
+                    except OSError:  # it died while idle: its episodes are lost; an open goes to its successor
                         self._replace(slot, results)
+                        worker = self._workers[slot]
+                        if op == "open" and episode not in retried:
+                            retried.add(episode)
+                            queues[slot].appendleft((op, episode, argument))
+                        else:
+                            results[episode] = StepResult(error="the environment's worker died")
                         continue
                     if op == "open":
                         worker.episodes.add(episode)

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # what write_rollouts' rows hold besides the data's own columns
 ROLLOUT_COLUMNS = ("step", "group", "prompt", "prompt_ids", "response", "response_ids", "score", "logprobs",
-                   "temperature")
+                   "temperature", "response_mask", "episode", "env_reward")
 
 
 def write_rollouts(path: str, rows: list[dict]) -> None:
@@ -135,6 +135,11 @@ def load_offline_groups(paths: list[str], tokenizer, *, group_size: int, vocab_s
             response = tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
         if not response:
             raise ValueError(f"{where}: the response has no tokens")
+        trained = row.get("response_mask")
+        if trained is not None and 0 in list(trained):  # a saved multi-turn episode: its observations are untrained
+            raise ValueError(f"{where}: its response_mask has zeros (a multi-turn episode's tool and environment "
+                             "tokens); offline training trains every response token, so it would learn them: "
+                             "episodes are not replayed offline yet")
         if len(response) > max_response_len:
             raise ValueError(f"{where}: the response has {len(response)} tokens, more than rollout.max_new_tokens="
                              f"{max_response_len}; raise it")

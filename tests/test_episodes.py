@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import string
+import time
 
 import pandas as pd
 import pytest
@@ -97,6 +98,26 @@ def test_environment_pool_contains_raising_hanging_malformed_and_dying_environme
         assert pool.step({13: "a"})[13].error  # never opened
         again = pool.open({15: {"mode": "ok"}})
         assert again[15].error is None
+
+
+def test_a_worker_dead_while_idle_is_replaced_once_and_its_opens_go_to_the_successor(tmp_path):
+    with EnvironmentPool("environment", ["tests.user_envs:scripted"], num_workers=2) as pool:
+        first = pool._workers[0].process
+        first.kill()
+        first.join()
+        opened = pool.open({e: {"mode": "ok"} for e in range(6)})
+        assert all(r.error is None for r in opened.values()), opened
+        assert pool._workers[0].process is not first and pool._workers[0].process.is_alive()
+        # an environment whose step raised is closed in its worker (what it holds is let go)
+        flag = tmp_path / "closed"
+        pool.open({7: {"mode": "raise", "closed_flag": str(flag)}})
+        pool.step({7: "a"})
+        assert "deliberate failure" in pool.step({7: "a"})[7].error
+        for _ in range(50):
+            if flag.exists():
+                break
+            time.sleep(0.05)
+        assert flag.read_text() == "closed"
 
 
 def test_environment_pool_names_a_factory_that_cannot_load_or_fails():
@@ -208,6 +229,37 @@ def test_greedy_turns_equal_hf_greedy_on_the_history(scripted_pool):
         at += turn["tokens"]
 
 
+# the assistant branch of Qwen3's chat template, reduced: an old assistant turn loses its empty thinking block once a
+# user query follows it, so two renderings of one conversation do not share a prefix
+QWEN3 = (
+    "{%- set ns = namespace(last_query_index=messages|length - 1) %}{%- for m in messages[::-1] %}{%- set index = "
+    "(messages|length - 1) - loop.index0 %}{%- if m.role == 'user' and ns.last_query_index == messages|length - 1 %}"
+    "{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}{%- for message in messages %}{%- if message.role "
+    "== 'user' %}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}{%- elif message.role == 'assistant' "
+    "%}{%- if loop.index0 > ns.last_query_index and loop.last %}{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n'"
+    " + message.content }}{%- else %}{{- '<|im_start|>assistant\n' + message.content }}{%- endif %}{{- '<|im_end|>\n'"
+    " }}{%- elif message.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>\n' + message.content + "
+    "'\n</tool_response><|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- "
+    "'<|im_start|>assistant\n' }}{%- if enable_thinking is defined and enable_thinking is false %}{{- "
+    "'<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_observations_under_a_template_that_renders_old_turns_otherwise():
+    tokenizer = chat_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.eos_token_id
+    observe = ObservationTokens(tokenizer, chat=True, stop_ids=(eos, end), template=QWEN3,
+                                template_kwargs={"enable_thinking": False})
+    text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    assert text(observe("more")) == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert text(observe([{"role": "tool", "content": "42"}], turn_ended=False)) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        "<think>\n\n</think>\n\n")
+    with pytest.raises(ValueError, match="stop tokens"):  # a template whose turns end on no stop token: at start
+        ObservationTokens(tokenizer, chat=True, stop_ids=(eos,), template=QWEN3)
+
+
 def chat_tokenizer():
     tokenizer = build_char_tokenizer(string.ascii_lowercase + string.digits + "<>/_: \n")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -293,6 +345,19 @@ def test_config_refuses_what_episodes_cannot_do(tmp_path):
 # ------------------------------------------------------------------------------------------------ runs
 def read_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "t" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_episodes_under_tensor_parallelism_see_one_environment(assets, tmp_path):  # noqa: F811
+    # the observations' lengths are random draws of each process: tp peers would build different histories (and
+    # decode mismatched shapes together) if each ran its own environment; the first tp rank's are shared
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 1},
+                       algorithm={"adv_estimator": "grpo", "kl": {"in_reward": False}}, placement={"tp": 2},
+                       rollout={"environment": "tests.user_envs:random_length", "max_turns": 3, "env_workers": 1},
+                       reward={"functions": []})
+    proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    step = read_rows(tmp_path / "runs")[1]
+    assert step["episode/turns/mean"] > 1.0 and step["episode/env_errors/mean"] == 0.0, step
 
 
 def test_grpo_on_an_environments_reward_alone_over_two_fsdp_ranks(assets, tmp_path):  # noqa: F811

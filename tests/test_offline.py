@@ -131,6 +131,8 @@ def test_rollout_file_errors_name_the_file_and_row(tmp_path):
         ([{**good[0], "response": "1" * 9}, good[1]], "r.jsonl:1: the response has 10 tokens, more than "
                                                        "rollout.max_new_tokens=8"),
         ([{"response": "2", "score": 1.0}], "r.jsonl:1: no prompt (or prompt_ids) column 'prompt'"),
+        ([{**good[0], "response_ids": [1, 2, 3], "response_mask": [1, 0, 1]}, good[1]],
+         "r.jsonl:1: its response_mask has zeros (a multi-turn episode's"),
     ]
     for rows, needle in cases:
         with pytest.raises(ValueError) as err:

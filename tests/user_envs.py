@@ -12,6 +12,12 @@ class Scripted:
 
     def __init__(self, record: dict, length: int = 2):
         self.mode, self.steps, self.length = record.get("mode", "ok"), 0, length
+        self.closed_flag = record.get("closed_flag")  # a file close() writes
+
+    def close(self):
+        if self.closed_flag:
+            with open(self.closed_flag, "w") as f:
+                f.write("closed")
 
     def reset(self):
         return None
@@ -47,6 +53,24 @@ def by_prompt(record: dict) -> Scripted:
     of different lengths."""
     digits = sum(int(c) for c in str(record["prompt"]) if c.isdigit())
     return Scripted(record, 1 + digits % 2)
+
+
+def random_length(record: dict) -> "RandomLength":
+    """Observations of a random length (an unseeded draw: every process its own), three steps."""
+    return RandomLength()
+
+
+class RandomLength:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, text: str):
+        import random
+
+        self.steps += 1
+        if self.steps >= 3:
+            return None, 1.0, True
+        return "+" * random.randint(1, 4), 0.0, False
 
 
 def broken_factory(record: dict):
