@@ -9,9 +9,9 @@ An episode without a chat template, in plain text (the char tokenizer):
     model turn 2  =6912<eos>
 
 `calculator_reward` scores the text after the response's last "=": the answer the model wrote itself, after the
-tool's result (a tool result alone scores 0). `python -m tasks.calculator` builds the assets into runs/calculator_assets:
-the character tokenizer, a tiny model SFT'd on a few hundred such traces (the loss on the model's turns only, as RL
-trains them), train / held-out prompts.
+tool's result (a tool result alone scores 0). `python -m tasks.calculator` builds the assets into
+runs/calculator_assets: the character tokenizer, a tiny model SFT'd on a few hundred such traces (the loss on the
+model's turns only, as RL trains them), train / held-out prompts.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def calculator_reward(response: str, ground_truth: str | None, prompt: str = "")
     an answer of the model's)."""
     if ground_truth is None:
         raise ValueError("calculator_reward needs a ground truth")
-    head, sep, answer = response.rpartition("=")
+    _, sep, answer = response.rpartition("=")
     return float(bool(sep) and answer.strip() == ground_truth.strip())
 
 
