@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import zlib
 
 import torch
@@ -363,3 +364,28 @@ def resume(root: str, resume_mode: str, roles: dict) -> tuple[str, dict, dict | 
                           "changed. If the model or the layout changed on purpose, start over under another run.name "
                           "(checkpoint.resume=never in a fresh folder)")
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stop signals: the entry points (train_ppo.py, train_sft.py) install these, and save and exit at the end of a step
+STOP_SIGNAL = {"received": False}
+
+
+def on_stop_signal(signum, frame) -> None:
+    """SIGTERM / SIGUSR1 (SLURM preemption): finish the current step, save, exit 0."""
+    STOP_SIGNAL["received"] = True
+
+
+def on_interrupt(signum, frame) -> None:
+    """Ctrl-C (SIGINT): the first one stops as SIGTERM does (finish the step, save, exit 0); a second one stops at
+    once, without saving (KeyboardInterrupt, exit 130). One within a second of the first is the same Ctrl-C passed on
+    by torchrun's agent (the terminal's reaches the agent and its workers alike)."""
+    now = time.monotonic()
+    if STOP_SIGNAL["received"]:
+        if now - STOP_SIGNAL.get("interrupted_at", float("-inf")) < 1.0:
+            return
+        raise KeyboardInterrupt
+    STOP_SIGNAL["received"], STOP_SIGNAL["interrupted_at"] = True, now
+    if os.environ.get("RANK", "0") == "0":  # a terminal's Ctrl-C reaches every rank of the job
+        os.write(2, b"\nCtrl-C: finishing this step, then saving a checkpoint and exiting; "
+                    b"Ctrl-C again to stop at once without saving\n")

@@ -1506,3 +1506,15 @@ def parse_or_exit(argv: list[str], world_size: int, rank: int, check=None) -> Co
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="", flush=True)
         sys.exit(0)
     return cfg
+
+
+def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every leaf that differs between two config dicts (nested sections dotted)."""
+    out = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += config_changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return out

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
 import config as C
@@ -63,6 +63,7 @@ from rollout.api import stop_token_ids
 from rollout.episodes import ObservationTokens, SharedEnvironments, episode_record, run_episodes
 from rollout.native import RolloutOutput, SamplingParams
 from rollout.world import Replica, WorldRollout, units_in_blocks, units_of_split
+from tasks.char_tokenizer import load_tokenizer
 from tasks.data import (
     PromptDataset,
     PromptSampler,
@@ -120,8 +121,7 @@ class PPOTrainer:
         self.use_ref = algo.kl.in_reward or algo.kl.in_loss
         self.use_teacher = algo.distill.coef > 0
         path = cfg.actor.model_path or cfg.model.path
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path,
-                                                       trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
         self.pad = pad = padding_id(self.tokenizer, cfg.model.tokenizer_path or path)
         # multi-turn episodes: the environments' (or tools') worker processes; the tools' schemas go into the
         # prompts' chat template
@@ -757,7 +757,7 @@ class PPOTrainer:
     def _stop_flags(self) -> tuple[bool, bool]:
         """(a stop signal arrived on some rank, the actor skipped too many steps in a row): agreed by every rank."""
         skips = self.actor.skips_in_a_row if self.actor is not None else 0
-        flags = torch.tensor([float(STOP_SIGNAL["received"]),
+        flags = torch.tensor([float(checkpoint.STOP_SIGNAL["received"]),
                               float(skips >= self.cfg.checkpoint.max_skipped_steps)], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
@@ -855,7 +855,7 @@ class PPOTrainer:
                 f"run {self.cfg.run.name!r} has already finished: its checkpoint {path} is at step {state['step']} "
                 f"and run.total_steps is {self.total_steps}, so there is nothing to train. To train on, raise "
                 "run.total_steps; to start a new run, pick another run.name (or run.output_dir)")
-        changed = config_changes(yaml.safe_load(state["config"]), C.to_dict(self.cfg))
+        changed = C.config_changes(yaml.safe_load(state["config"]), C.to_dict(self.cfg))
         allowed = set(self.cfg.checkpoint.allow_config_change)
         refused = [c for c in changed if c.split(":")[0] in C.RESUME_PROTECTED and c.split(":")[0] not in allowed]
         if refused:  # the same on every rank: the saved config and this one are
@@ -925,33 +925,10 @@ class PPOTrainer:
             self.logger.console(step, self.total_steps, merged, eta)
 
 
-STOP_SIGNAL = {"received": False}
-
-
-def on_stop_signal(signum, frame) -> None:
-    """SIGTERM / SIGUSR1 (SLURM preemption): finish the current step, save, exit 0."""
-    STOP_SIGNAL["received"] = True
-
-
-def on_interrupt(signum, frame) -> None:
-    """Ctrl-C (SIGINT): the first one stops as SIGTERM does (finish the step, save, exit 0); a second one stops at
-    once, without saving (KeyboardInterrupt, exit 130). One within a second of the first is the same Ctrl-C passed on
-    by torchrun's agent (the terminal's reaches the agent and its workers alike)."""
-    now = time.monotonic()
-    if STOP_SIGNAL["received"]:
-        if now - STOP_SIGNAL.get("interrupted_at", float("-inf")) < 1.0:
-            return
-        raise KeyboardInterrupt
-    STOP_SIGNAL["received"], STOP_SIGNAL["interrupted_at"] = True, now
-    if os.environ.get("RANK", "0") == "0":  # a terminal's Ctrl-C reaches every rank of the job
-        os.write(2, b"\nCtrl-C: finishing this step, then saving a checkpoint and exiting; "
-                    b"Ctrl-C again to stop at once without saving\n")
-
-
 def check_teacher_vocab(tokenizer, teacher_path: str, trust_remote_code: bool) -> None:
     """The teacher scores the actor's token ids: its tokenizer must be the actor's (ValueError naming it, else)."""
     try:
-        theirs = AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=trust_remote_code)
+        theirs = load_tokenizer(teacher_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"teacher.model_path={teacher_path!r}: no tokenizer could be read there to check it is the "
                          f"actor's ({e})") from e
@@ -959,18 +936,6 @@ def check_teacher_vocab(tokenizer, teacher_path: str, trust_remote_code: bool) -
         raise ValueError(f"teacher.model_path={teacher_path!r}: its tokenizer differs from the actor's (vocabularies "
                          f"of {len(theirs.get_vocab())} and {len(tokenizer.get_vocab())} tokens); on-policy "
                          "distillation scores the actor's token ids, so the teacher needs the same tokenizer")
-
-
-def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
-    """`key: old -> new` for every leaf that differs between two config dicts (nested sections dotted)."""
-    out = []
-    for key in sorted(set(before) | set(after)):
-        old, new = before.get(key), after.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            out += config_changes(old, new, f"{prefix}{key}.")
-        elif old != new:
-            out.append(f"{prefix}{key}: {old!r} -> {new!r}")
-    return out
 
 
 def setup(cfg: C.Config, rank: int) -> C.Config:
@@ -1012,9 +977,9 @@ def main(argv: list[str]) -> int:
         return 2
     # from here a stop signal means "save and exit"; until now (loading data and models, nothing to save) the
     # default action stops the process at once, even inside the tokenizer
-    signal.signal(signal.SIGTERM, on_stop_signal)
-    signal.signal(signal.SIGUSR1, on_stop_signal)
-    signal.signal(signal.SIGINT, on_interrupt)
+    signal.signal(signal.SIGTERM, checkpoint.on_stop_signal)
+    signal.signal(signal.SIGUSR1, checkpoint.on_stop_signal)
+    signal.signal(signal.SIGINT, checkpoint.on_interrupt)
     try:
         result = trainer.fit()
     except (C.ConfigError, checkpoint.ResumeError) as e:  # a finished run started again, unreadable checkpoints:

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 import config as C
 from monitor import MetricsLogger, quiet_libraries
@@ -23,6 +23,7 @@ from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from roles.rm import encode_preferences, hold_out, load_reward_model, train_reward_model
 from roles.sft import save_hf
+from tasks.char_tokenizer import load_tokenizer
 from tasks.data import load_preference_records, padding_id
 
 log = logging.getLogger("meshrl")
@@ -65,8 +66,7 @@ def main(argv: list[str]) -> int:
     cfg = C.parse_or_exit(argv, world, rank, check=C.check_rm)
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s, cfg.run.device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         pad = padding_id(tokenizer, cfg.model.tokenizer_path or cfg.model.path)
         train, held_out, dropped = load_pairs(cfg, tokenizer, rank)
     except (ValueError, OSError) as e:

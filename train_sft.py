@@ -19,7 +19,6 @@ import time
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoTokenizer
 
 import checkpoint
 import config as C
@@ -30,8 +29,8 @@ from parallel.layout import build_layout
 from roles.lora import apply_lora, save_adapter_folder
 from roles.modeling import load_causal_lm, lr_factor
 from roles.sft import encode_pairs, save_hf, sft_eval_loss, sft_step
+from tasks.char_tokenizer import load_tokenizer
 from tasks.data import load_sft_records
-from train_ppo import STOP_SIGNAL, config_changes, on_interrupt, on_stop_signal
 
 log = logging.getLogger("meshrl")
 CONSOLE_KEYS = ("sft/loss", "eval/loss", "sft/grad_norm", "sft/lr", "timing_s/step")
@@ -65,7 +64,7 @@ def resume(cfg: C.Config, root: str, roles: dict, generator: torch.Generator) ->
         raise C.ConfigError(f"run {cfg.run.name!r} has already finished: its checkpoint {path} is at step "
                             f"{state['step']} and sft.steps is {cfg.sft.steps}. To train on, raise sft.steps; to "
                             "start over, pick another run.name (or run.output_dir)")
-    changed = config_changes(yaml.safe_load(state["config"]), C.to_dict(cfg))
+    changed = C.config_changes(yaml.safe_load(state["config"]), C.to_dict(cfg))
     allowed = set(cfg.checkpoint.allow_config_change)
     refused = [c for c in changed if c.split(":")[0] in PROTECTED and c.split(":")[0] not in allowed]
     if refused:
@@ -99,8 +98,7 @@ def main(argv: list[str]) -> int:
     cfg = C.parse_or_exit(argv, world, rank, check=C.check_sft)
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s, cfg.run.device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         train, held_out = load_data(cfg, tokenizer)
     except (ValueError, OSError) as e:
         if rank == 0:
@@ -152,10 +150,11 @@ def main(argv: list[str]) -> int:
     if start == 0 and held_out:
         emit(0, {"eval/loss": sft_eval_loss(model, held_out, s.batch_size, info.device, pool)})
     # from here a stop signal means "save and exit" (as in train_ppo.py); the handlers are put back at the end
-    STOP_SIGNAL.clear()
-    STOP_SIGNAL["received"] = False
+    checkpoint.STOP_SIGNAL.clear()
+    checkpoint.STOP_SIGNAL["received"] = False
     previous = {sig: signal.signal(sig, handler) for sig, handler in (
-        (signal.SIGTERM, on_stop_signal), (signal.SIGUSR1, on_stop_signal), (signal.SIGINT, on_interrupt))}
+        (signal.SIGTERM, checkpoint.on_stop_signal), (signal.SIGUSR1, checkpoint.on_stop_signal),
+        (signal.SIGINT, checkpoint.on_interrupt))}
     bar = logger.progress(start, steps) if logger is not None else None
     stopped = False
     try:
@@ -173,7 +172,7 @@ def main(argv: list[str]) -> int:
             emit(step, gather_metrics(local))
             if bar is not None:
                 bar.update(1)
-            stopped = anyone(STOP_SIGNAL["received"])
+            stopped = anyone(checkpoint.STOP_SIGNAL["received"])
             every = cfg.checkpoint.save_every
             if stopped or step == steps or (every and step % every == 0):
                 trainer_state = {"step": step, "world_size": world, "generator": generator.get_state(),

@@ -28,13 +28,15 @@ def decode_responses(tokenizer, batch: Batch) -> list[str]:
 def check_same_tokens(model_path: str, tokenizer, trust_remote_code: bool = False) -> None:
     """The reward model reads the policy's token ids: ValueError unless its folder's tokenizer has the same
     vocabulary (or, without a tokenizer there, its embedding holds every id of the policy's)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
+
+    from tasks.char_tokenizer import load_tokenizer
 
     own = None
     files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
     if not os.path.isdir(model_path) or any(os.path.exists(os.path.join(model_path, f)) for f in files):
         try:
-            own = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            own = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
             own = None
     if own is not None:

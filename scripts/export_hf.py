@@ -68,9 +68,9 @@ def export(checkpoint_dir: str, out: str, role: str = "actor", merged: bool = Fa
             adapters.peft.merge_and_unload().save_pretrained(out)
         else:
             adapters.save(out)
-    from transformers import AutoTokenizer
+    from tasks.char_tokenizer import load_tokenizer
 
-    AutoTokenizer.from_pretrained(cfg["model"]["tokenizer_path"] or base, trust_remote_code=trust).save_pretrained(out)
+    load_tokenizer(cfg["model"]["tokenizer_path"] or base, trust_remote_code=trust).save_pretrained(out)
     return out
 
 

@@ -4,10 +4,12 @@ Built with the `tokenizers` library and wrapped as a `transformers` fast tokeniz
 Hugging Face tokenizer (`save_pretrained` -> `AutoTokenizer.from_pretrained`) and needs no hub access.
 """
 
+import json
+import os
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -45,3 +47,22 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS, add_bos: bool = False) -> P
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
     )
+
+
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer of a model folder (or hub id): AutoTokenizer's, except that a folder whose tokenizer_config.json
+    names the generic backend (TokenizersBackend / PreTrainedTokenizerFast: what this module's tokenizer saves as) is
+    loaded as its tokenizer.json says. transformers 5.2x builds the family's own class from a folder's config.json
+    (Qwen2Tokenizer beside a qwen2 model), which replaces the saved pre-tokenizer: a character tokenizer then drops
+    spaces and newlines when it encodes."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            declared = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        declared = None
+    if declared in GENERIC_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

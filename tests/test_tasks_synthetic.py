@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.char_tokenizer import DEFAULT_CHARS, SPECIAL_TOKENS, build_char_tokenizer
+from tasks.char_tokenizer import DEFAULT_CHARS, SPECIAL_TOKENS, build_char_tokenizer, load_tokenizer
 from tasks.data import PromptDataset, load_prompt_records, load_sft_records
 from tasks.rewards import gsm8k_match
 from tasks.synthetic import make_addition_split, write_addition_dataset
@@ -34,6 +34,18 @@ def test_char_tokenizer_round_trips_through_save_and_load(tmp_path):
         assert loaded.decode(ids) == tokenizer.decode(ids) == text
         with_eos = ids + [loaded.eos_token_id]
         assert loaded.decode(with_eos, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_char_tokenizer_beside_a_model_keeps_its_whitespace(tmp_path, family):
+    # transformers 5.2x builds the family's own tokenizer class from the folder's config.json (Qwen2Tokenizer), whose
+    # pre-tokenizer drops spaces and newlines; meshrl's entry points load a generic backend as it was saved
+    tokenizer = build_char_tokenizer()
+    save_tiny_model(tmp_path, tokenizer, hidden_size=32, intermediate_size=64, family=family)
+    loaded = load_tokenizer(str(tmp_path))
+    for text in TEXTS:
+        assert loaded(text, add_special_tokens=False)["input_ids"] == tokenizer(text, add_special_tokens=False)[
+            "input_ids"], text
 
 
 def test_char_tokenizer_options(tmp_path):
