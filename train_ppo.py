@@ -996,7 +996,11 @@ def main(argv: list[str]) -> int:
         shutdown()
         return 1
     if info.rank == 0:
-        print(f"eval/score/mean: {result['before']:.3f} at the start -> {result['after']:.3f} at the end", flush=True)
+        before, after = result["before"], result["after"]
+        if after == after:
+            print(f"eval/score/mean: {before:.3f} at the start -> {after:.3f} at the end", flush=True)
+        elif before == before:  # run.total_steps=0 (an evaluation of the start model), or a resume at the end
+            print(f"eval/score/mean: {before:.3f} (no step trained)", flush=True)
     shutdown()
     return 0
 

@@ -101,6 +101,14 @@ def test_starting_a_finished_run_again_says_so_and_trains_nothing(assets, tmp_pa
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2, 3]
 
 
+def test_zero_steps_evaluates_the_start_model_and_says_no_step_trained(assets, tmp_path):  # noqa: F811
+    cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 0})
+    proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    score = read_metrics(tmp_path / "runs")[0]["eval/score/mean"]
+    assert f"eval/score/mean: {score:.3f} (no step trained)" in proc.stdout and "nan" not in proc.stdout, explain(proc)
+
+
 def test_a_system_prompt_reaches_the_prompt_builder(assets, tmp_path):  # noqa: F811
     """data.system_prompt on text prompts that are not templated is refused (the char tokenizer has no template)."""
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", data={"system_prompt": "be brief"})
