@@ -31,7 +31,7 @@ real-assets: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# two pytest workers, a test file each at a time (25 min on 2 cores, 2026-12-03): one worker leaves a core idle a
+# two pytest workers, a test file each at a time (18 min on 2 cores, 2026-12-03): one worker leaves a core idle a
 # third of the time between the multi-process launches; `$(PY) -m pytest tests/test_x.py` runs one file alone
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
