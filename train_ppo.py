@@ -58,7 +58,7 @@ from roles.critic import Critic
 from roles.lora import BaseReference
 from roles.modeling import all_reduce_sum
 from roles.reference import Reference
-from roles.reward import Reward, decode_responses
+from roles.reward import Reward, decode_responses, decode_texts
 from rollout.api import stop_token_ids
 from rollout.episodes import ObservationTokens, SharedEnvironments, episode_record, run_episodes
 from rollout.native import RolloutOutput, SamplingParams
@@ -650,7 +650,10 @@ class PPOTrainer:
             dist.all_gather_object(shares, sums, group=P["actor"].dp_group)
             local = eval_metrics(shares, self.eval_params.n)
             texts = decode_responses(self.tokenizer, batch)
-            extras = {k.removeprefix("extra/"): v.tolist() for k, v in back.items() if k.startswith("extra/")}
+            extras = {k.removeprefix("extra/"): v.tolist() for k, v in back.items()
+                      if k.startswith("extra/") and not k.startswith("extra/text/")}
+            extras.update({k.removeprefix("extra/text/"): decode_texts(v) for k, v in back.items()
+                           if k.startswith("extra/text/")})
             if self.envs is not None:  # the episodes' turns per sample, and their metrics on the eval set
                 extras["episode"] = self.last_episodes.transcripts
                 local.update({f"eval/{k}": v for k, v in self._episode_metrics().items()})

@@ -19,6 +19,23 @@ from tasks.rewards import RewardFunctionRunner
 log = logging.getLogger(__name__)
 
 
+def _number(value) -> float:
+    return value if isinstance(value, float) else math.nan
+
+
+def encode_texts(texts: list[str]) -> torch.Tensor:
+    """[B, L] long: each text's UTF-8 bytes + 1, right-padded with 0 (texts travel between pools as tensors)."""
+    codes = [list(t.encode("utf-8")) for t in texts]
+    out = torch.zeros((len(codes), max((len(c) for c in codes), default=0) or 1), dtype=torch.long)
+    for i, c in enumerate(codes):
+        out[i, : len(c)] = torch.tensor(c, dtype=torch.long) + 1
+    return out
+
+
+def decode_texts(codes: torch.Tensor) -> list[str]:
+    return [bytes(v - 1 for v in row if v > 0).decode("utf-8", "replace") for row in codes.tolist()]
+
+
 def decode_responses(tokenizer, batch: Batch) -> list[str]:
     """The response text of every sample (special tokens dropped)."""
     ids, lens = batch["response_ids"].tolist(), batch["response_len"].tolist()
@@ -163,9 +180,13 @@ class Reward:
                 name = spec.rpartition("/")[2]  # a file's spec (path/to/file.py:f) by its file's name
                 sums[f"reward/fn/{name}/mean"] = float(values.sum())
                 for key in runner.extra_keys:  # a verl compute_score dict's other numbers (acc, ...); 0 where absent
-                    sums[f"reward/fn/{name}/{key}/mean"] = sum(e.get(key, 0.0) for e in runner.last_extras)
-                    per_sample[key if key not in per_sample else f"{name}/{key}"] = torch.tensor(
-                        [e.get(key, math.nan) for e in runner.last_extras], dtype=torch.float32)
+                    values = [_number(e.get(key)) for e in runner.last_extras]
+                    sums[f"reward/fn/{name}/{key}/mean"] = sum(v for v in values if v == v)
+                    per_sample[key if key not in per_sample else f"{name}/{key}"] = torch.tensor(values,
+                                                                                              dtype=torch.float32)
+                for key in runner.text_keys:  # its texts (pred, ...): for the eval samples, as byte codes
+                    texts_of = [e.get(key) if isinstance(e.get(key), str) else "" for e in runner.last_extras]
+                    per_sample[f"text/{key}"] = encode_texts(texts_of)
                 for key, count in stats.items():
                     self.failures[key] = self.failures.get(key, 0.0) + float(count)
             result = [total, sums, per_sample]

@@ -232,15 +232,23 @@ def _as_score(value: object) -> float:
     return score
 
 
-def _score_and_extras(value: object) -> tuple[float, dict[str, float]]:
-    """(score, the other numbers) of a result: a verl-style dict gives its "score" and its other finite numbers
-    (`acc`, ... : verl's reward_extra_info, logged as metrics); anything else is the score alone."""
+MAX_TEXT_EXTRA_CHARS = 200  # a dict's text (verl's `pred`) is kept this long, for the eval samples
+
+
+def _score_and_extras(value: object) -> tuple[float, dict[str, float | str]]:
+    """(score, the other values) of a result: a verl-style dict gives its "score", its other finite numbers (`acc`,
+    ...: verl's reward_extra_info, logged as metrics) and its texts (`pred`, cut to MAX_TEXT_EXTRA_CHARS: kept in the
+    eval samples); anything else is the score alone."""
     if not isinstance(value, dict):
         return _as_score(value), {}
     if "score" not in value:
         raise KeyError(f"a compute_score dict needs a 'score'; it had {sorted(value)}")
-    extras = {str(k): float(v) for k, v in value.items()
-              if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
+    extras: dict[str, float | str] = {}
+    for k, v in value.items():
+        if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v)):
+            extras[str(k)] = float(v)
+        elif k != "score" and isinstance(v, str):
+            extras[str(k)] = v[:MAX_TEXT_EXTRA_CHARS]
     return _as_score(value["score"]), extras
 
 
@@ -420,6 +428,7 @@ class RewardFunctionRunner:
         self.last_extras: list[dict[str, float]] = []  # each item's other numbers in the last call (verl's dicts)
         # the other numbers the start-up calls (check) returned: the same on every rank, so the metrics' keys are
         self.extra_keys: list[str] = []
+        self.text_keys: list[str] = []  # likewise, the texts (verl's `pred`): kept in the eval samples
         self._context = multiprocessing.get_context("spawn")
         self._workers = [] if self._inline is not None else [_Worker(self._context, spec) for _ in range(num_workers)]
         self._logged_error = self._logged_timeout = False
@@ -550,7 +559,9 @@ class RewardFunctionRunner:
         if self.last_failed:
             raise ValueError(f"reward function {self.spec!r} ({self.convention} convention) failed its start-up "
                              f"call on {where} (response {response!r:.80}):\n{self.last_error}")
-        self.extra_keys = sorted(set(self.extra_keys) | set(self.last_extras[0]))
+        first = self.last_extras[0]
+        self.extra_keys = sorted(set(self.extra_keys) | {k for k, v in first.items() if not isinstance(v, str)})
+        self.text_keys = sorted(set(self.text_keys) | {k for k, v in first.items() if isinstance(v, str)})
 
     def _record_error(self, stats: dict[str, int], description: str, items: int = 1) -> None:
         self.last_error = self.last_error or description

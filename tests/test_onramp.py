@@ -425,11 +425,12 @@ def test_a_verl_dicts_other_numbers_are_metrics_in_training_and_eval(assets, tmp
         acc, ones, score = (row[f"{prefix}{fn}/{key}"] for key in ("acc/mean", "ones/mean", "mean"))
         assert 0 <= acc <= 1 and score == pytest.approx(acc + ones / 10), row
         assert f"{prefix}{fn}/pred/mean" not in row
-    # and each eval sample keeps its dict's numbers (verl's reward_extra_info in its validation generations)
+    # and each eval sample keeps its dict's numbers and texts (verl's reward_extra_info in its validation generations)
     evals = [json.loads(line) for line in (tmp_path / "runs" / "t" / "eval_samples.jsonl").read_text().splitlines()]
     for sample in (s for e in evals for s in e["samples"]):
         assert sample["acc"] in (0.0, 1.0) and sample["ones"] == sample["response"].count("1") and \
-            sample["score"] == pytest.approx(sample["acc"] + sample["ones"] / 10) and "pred" not in sample, sample
+            sample["score"] == pytest.approx(sample["acc"] + sample["ones"] / 10) and \
+            sample["pred"] == sample["response"], sample
 
 
 def test_log_records_go_through_the_progress_bar_and_the_console_line_takes_its_keys(tmp_path, monkeypatch, capsys,
