@@ -726,7 +726,7 @@ FOREIGN_NAMES = {
     "custom_reward_function.path": "reward.functions ([{spec: module.path:function}])",
     "chat_template_kwargs": "data.chat_template_kwargs",
     "data.apply_chat_template_kwargs": "data.chat_template_kwargs",
-    "environment_factory": "rollout.environment (module.path:factory; factory(record) -> env)",
+    "environment_factory": "rollout.environment (module.path:factory; factory(record) -> env with step(text))",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.max_turns",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": "rollout.tools ([module.path:function, ...])",
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "rollout.environment (module.path:factory)",
