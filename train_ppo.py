@@ -424,16 +424,19 @@ class PPOTrainer:
         world rollout)."""
         pool = self.pools["actor"]
         mine = indices[pool.dp_rank :: pool.dp_size] if self.actor is not None else []
-        if self.envs is not None or (self.actor is None and C.episodes(self.cfg)):
+        if C.episodes(self.cfg):
             return self._episodes(dataset, mine, params)
-        prompts = [dataset[i]["prompt_ids"] for i in mine] if self.actor is not None else None
-        if self.rollout is not None:
-            out = self.rollout.generate(prompts, params, self.gen_rng, self.weights_version)
-        else:
-            out = self.actor.generate(prompts, params, self.gen_rng)
+        out = self._sample([dataset[i]["prompt_ids"] for i in mine] if self.actor is not None else None, params)
         if self.actor is None:
             return None
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
+
+    def _sample(self, prompts: list[list[int]] | None, params: SamplingParams) -> RolloutOutput | None:
+        """One generate call: on the engines laid out over the world (every rank calls, None outside the actor's
+        pool), or on the actor's own engine."""
+        if self.rollout is not None:
+            return self.rollout.generate(prompts, params, self.gen_rng, self.weights_version)
+        return self.actor.generate(prompts, params, self.gen_rng)
 
     def _environments(self, layout: Layout) -> tuple[EnvironmentPool | SharedEnvironments | None, list[dict] | None]:
         """(the environments of an episode run on the actor's ranks, the tools' JSON schemas). The pool of workers
@@ -473,21 +476,14 @@ class PPOTrainer:
         (a world rollout) their generate calls, one per turn, as long as some episode runs."""
         r = self.cfg.rollout
         group = None if self.rollout is not None else self.pools["actor"].group
-        turn_params = dataclasses.replace(params, n=1)
         if self.actor is None:
             for _ in range(r.max_turns):
                 if not anyone(False, group):
                     break
-                self.rollout.generate(None, turn_params, self.gen_rng, self.weights_version)
+                self._sample(None, dataclasses.replace(params, n=1))
             return None
-
-        def generate(prompts: list[list[int]], p: SamplingParams) -> RolloutOutput:
-            if self.rollout is not None:
-                return self.rollout.generate(prompts, p, self.gen_rng, self.weights_version)
-            return self.actor.generate(prompts, p, self.gen_rng)
-
         episodes = run_episodes(
-            generate, [dataset[i]["prompt_ids"] for i in mine], [episode_record(dataset[i]) for i in mine],
+            self._sample, [dataset[i]["prompt_ids"] for i in mine], [episode_record(dataset[i]) for i in mine],
             self.envs, self.observe, params, max_turns=r.max_turns, max_tokens=C.response_budget(self.cfg),
             reward_mode=r.episode_reward, decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
             any_running=lambda flag: anyone(flag, group), max_prompt_tokens=self.cfg.data.max_prompt_len)

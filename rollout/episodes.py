@@ -33,6 +33,11 @@ _MARK = "meshrl-assistant-turn"
 _BASE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _MARK}]
 
 
+def observation_text(observation, sep: str = "") -> str:
+    """An observation's text: itself, or its messages' contents joined by `sep`."""
+    return observation if isinstance(observation, str) else sep.join(m["content"] for m in observation)
+
+
 class ObservationTokens:
     """The token ids an observation adds after a model turn.
 
@@ -68,8 +73,7 @@ class ObservationTokens:
 
     def __call__(self, observation, turn_ended: bool = True) -> list[int]:
         if not self.chat:
-            text = observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self.tokenizer(observation_text(observation, "\n"), add_special_tokens=False)["input_ids"]
         messages = [{"role": "user", "content": observation}] if isinstance(observation, str) else observation
         try:
             full = self._render(_BASE + messages, True)
@@ -175,8 +179,7 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
 
     def append_observation(e: int, observation, turn_ended: bool) -> bool:
         """Put an observation's tokens in the episode; False when they and a whole turn after them do not fit."""
-        text = observation if isinstance(observation, str) else "".join(m["content"] for m in observation)
-        if len(text) > (max_tokens - len(ids[e])) * MAX_CHARS_PER_TOKEN:
+        if len(observation_text(observation)) > (max_tokens - len(ids[e])) * MAX_CHARS_PER_TOKEN:
             return False
         tokens = observe(observation, turn_ended)
         if len(ids[e]) + len(tokens) + params.max_new_tokens > max_tokens:
@@ -197,9 +200,8 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
                 broken.add(e)
             elif result.observation is not None:  # shown before the first turn: part of the prompt
                 room = (max_prompt_tokens or 1 << 30) - len(history[e])
-                text = result.observation if isinstance(result.observation, str) else \
-                    "".join(m["content"] for m in result.observation)
-                tokens = [] if observe.chat or len(text) > room * MAX_CHARS_PER_TOKEN else observe(result.observation)
+                too_long = len(observation_text(result.observation)) > room * MAX_CHARS_PER_TOKEN
+                tokens = [] if observe.chat or too_long else observe(result.observation)
                 if observe.chat or not 0 < len(tokens) <= room:  # refused: counted, and the episode runs unstepped
                     sums["episode/env_errors"] += 1
                     broken.add(e)

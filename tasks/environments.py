@@ -29,11 +29,8 @@ import logging
 import math
 import multiprocessing
 import numbers
-import os
 import re
 import signal
-import sys
-import threading
 import time
 import traceback
 from collections import deque
@@ -43,12 +40,11 @@ from multiprocessing.connection import wait
 
 from tasks.rewards import (
     START_TIMEOUT_S,
-    _end_own_group,
-    _exit_with_parent,
-    _forget_meshrl_modules,
     _main_script_hidden,
     _user_sys_path,
+    enter_worker,
     load_reward_function,
+    stop_worker,
 )
 
 logger = logging.getLogger("meshrl")
@@ -186,10 +182,10 @@ class StepResult:
 
 
 # ------------------------------------------------------------------------------------------------------ workers
-def _load_factory(kind: str, specs: list[str], tool_timeout_s: float) -> tuple[Callable, list[dict]]:
-    """(factory(record) -> env, tool schemas) in a worker."""
+def _load_factory(kind: str, specs: list[str], tool_timeout_s: float) -> Callable:
+    """factory(record) -> env, in a worker."""
     if kind == "environment":
-        return load_reward_function(specs[0], "environment"), []
+        return load_reward_function(specs[0], "environment")
     functions = {}
     for spec in specs:
         function = load_reward_function(spec, "tool")
@@ -197,22 +193,16 @@ def _load_factory(kind: str, specs: list[str], tool_timeout_s: float) -> tuple[C
         if name in functions:
             raise ValueError(f"two tools are named {name!r} (rollout.tools: {specs})")
         functions[name] = function
-    return (lambda record: ToolEnvironment(functions, tool_timeout_s)), []
+    return lambda record: ToolEnvironment(functions, tool_timeout_s)
 
 
 def _worker_main(conn, kind: str, specs: list[str], sys_path: list[str], tool_timeout_s: float,
                  want_schemas: bool) -> None:
     """Worker loop: load the factory, say "ready" (with the tools' schemas when asked), then serve ("open", id,
     record), ("step", id, text) and ("close", id) until None or the parent's end of the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.setpgrp()
-    signal.signal(signal.SIGTERM, _end_own_group)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    sys.path[:] = sys_path
-    if not any(s.partition(":")[0] in ("__main__", "__mp_main__") for s in specs):
-        _forget_meshrl_modules()
+    enter_worker(sys_path, specs)
     try:
-        factory, _ = _load_factory(kind, specs, tool_timeout_s)
+        factory = _load_factory(kind, specs, tool_timeout_s)
         schemas = []
         if kind == "tools" and want_schemas:
             schemas = [tool_schema(f) for f in factory({}).functions.values()]
@@ -270,19 +260,7 @@ class _Worker:
         self.episodes: set[int] = set()  # whose environments live here
 
     def stop(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.process.join(timeout=0.5 if self.busy is None else 0.0)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
-        self.conn.close()
+        stop_worker(self.process, self.conn, idle=self.busy is None)
 
 
 class EnvironmentPool:
@@ -305,14 +283,14 @@ class EnvironmentPool:
         self._context = multiprocessing.get_context("spawn")
         self._workers = [self._start(i == 0) for i in range(num_workers)]
         self.tool_schemas: list[dict] = []
-        self._wait_ready()
+        self._wait_ready(self._workers)
         self.first_error: str | None = None
 
     def _start(self, want_schemas: bool) -> _Worker:
         return _Worker(self._context, self.kind, self.specs, self.tool_timeout_s, want_schemas)
 
-    def _wait_ready(self) -> None:
-        for worker in self._workers:
+    def _wait_ready(self, workers: list[_Worker]) -> None:
+        for worker in workers:
             while not worker.ready:
                 if not worker.conn.poll(max(0.0, worker.deadline - time.monotonic())):
                     self.close()
@@ -425,14 +403,7 @@ class EnvironmentPool:
             results.setdefault(episode, StepResult(error="its environment was lost with its worker"))
         worker.stop()
         self._workers[slot] = fresh = self._start(False)
-        self._workers_ready(fresh)
-
-    def _workers_ready(self, worker: _Worker) -> None:
-        saved, self._workers = self._workers, [worker]
-        try:
-            self._wait_ready()
-        finally:
-            self._workers = saved
+        self._wait_ready([fresh])
 
     def close(self) -> None:
         for worker in self._workers:

@@ -304,9 +304,9 @@ def _forget_meshrl_modules() -> None:
         del sys.modules[name]
 
 
-def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
-    """Worker loop: load the function, say "ready", then score (indices, responses, ground_truths, prompts, columns,
-    extras) chunks until a None task or the parent's end of the pipe closes."""
+def enter_worker(sys_path: list[str], specs: Sequence[str]) -> None:
+    """What a spawned worker of user code (a reward function's, an environment's) does first: ignore Ctrl-C, lead a
+    process group of its own, end with its parent, and import the user's modules from the user's paths."""
     # Ctrl-C reaches the whole process group; the parent decides how to shut down, the workers just get stopped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # a group of its own, which the processes the user's module starts join: stop() and the parent's end take it all
@@ -314,8 +314,33 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
     signal.signal(signal.SIGTERM, _end_own_group)  # multiprocessing's atexit terminates daemon workers so
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     sys.path[:] = sys_path
-    if spec.partition(":")[0] not in ("__main__", "__mp_main__"):
+    if not any(spec.partition(":")[0] in ("__main__", "__mp_main__") for spec in specs):
         _forget_meshrl_modules()
+
+
+def stop_worker(process, conn, idle: bool) -> None:
+    """End a worker and every process in its group (what the user's code started); an idle one is first asked to
+    exit on its own."""
+    if idle:
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+        process.join(timeout=1.0)
+    try:  # the worker's group: the worker (if still alive) and what the user's module started
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # none left, or the worker had not made its group yet
+        pass
+    if process.is_alive():
+        process.kill()
+    process.join()
+    conn.close()
+
+
+def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
+    """Worker loop: load the function, say "ready", then score (indices, responses, ground_truths, prompts, columns,
+    extras) chunks until a None task or the parent's end of the pipe closes."""
+    enter_worker(sys_path, [spec])
     try:
         function = load_reward_function(spec)
         convention = reward_convention(function, spec)
@@ -382,20 +407,7 @@ class _Worker:
         self.deadline = time.monotonic() + START_TIMEOUT_S  # until ready; then the deadline of the chunk in hand
 
     def stop(self) -> None:
-        if self.indices is None:
-            try:
-                self.conn.send(None)
-            except OSError:
-                pass
-            self.process.join(timeout=1.0)
-        try:  # the worker's group: the worker (if still alive) and what the user's module started
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):  # none left, or the worker had not made its group yet
-            pass
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
-        self.conn.close()
+        stop_worker(self.process, self.conn, idle=self.indices is None)
 
 
 class RewardFunctionRunner:
