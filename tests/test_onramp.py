@@ -203,7 +203,7 @@ def test_trl_and_verl_key_names_are_translated_in_the_unknown_key_error(override
 
 
 def test_the_readme_shows_the_whole_name_table():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "configuration.md").read_text()
     for name, ours in C.FOREIGN_NAMES.items():
         assert f"| `{name}` | {ours} |" in readme, name
 
