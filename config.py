@@ -299,6 +299,17 @@ class RolloutCorrectionConfig:
     mask_high: float = 2.0
 
 
+# micro_batch_tokens=auto on the CPU, and in a role built outside train_ppo.py (which sizes auto on a GPU at start-up)
+FIXED_MICRO_BATCH_TOKENS = 8192
+
+
+def fixed_budget(section):
+    """ActorConfig or CriticConfig `section` with micro_batch_tokens=auto as FIXED_MICRO_BATCH_TOKENS (a copy)."""
+    if section.micro_batch_tokens != "auto":
+        return section
+    return dataclasses.replace(section, micro_batch_tokens=FIXED_MICRO_BATCH_TOKENS)
+
+
 @dataclass
 class ActorConfig:
     model_path: str | None = None  # default: model.path
@@ -307,7 +318,11 @@ class ActorConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # samples per optimizer step over all dp ranks; 0: the whole batch
-    micro_batch_tokens: int = 8192  # padded tokens per forward/backward on one rank
+    # padded tokens per forward/backward on one rank (the reference's and the reward's forwards use it too); auto: on a
+    # GPU the largest budget whose activations fit the GPU's free memory at start-up, by the planner's model of the
+    # run (plan.auto_budgets: the training state, the engine and a 10% margin counted; at most a rank's rows), logged
+    # and written to the run's config.yaml; on the CPU 8192 (FIXED_MICRO_BATCH_TOKENS)
+    micro_batch_tokens: int | Literal["auto"] = "auto"
     # lay the samples of a micro-batch end to end in shared rows when that saves >= 10% of its padded tokens (Llama /
     # Qwen2; the reference's forwards follow it)
     pack_sequences: bool = True
@@ -338,7 +353,7 @@ class CriticConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # the value head trains in full beside the adapters
     ppo_epochs: int = 1
     mini_batch_size: int = 0
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int | Literal["auto"] = "auto"  # as actor.micro_batch_tokens (the critic's update and values)
     pack_sequences: bool = True  # as actor.pack_sequences
     value_clip: float = 0.2
 
@@ -794,7 +809,14 @@ def _coerce(tp, value, where: str):
             if not isinstance(value, (bool, str)):
                 raise ConfigError(f"{where}={value!r}: expected true, false, null or a text")
             return value
-        assert len(inner) == 1, f"schema: only Optional[X] and X | list[X] unions are supported ({where})"
+        if len(inner) == 2 and typing.get_origin(inner[1]) is Literal:  # X | Literal[words]: a value, or a word
+            if value in typing.get_args(inner[1]):
+                return value
+            try:
+                return _coerce(inner[0], value, where)
+            except ConfigError as e:
+                raise ConfigError(f"{e} or {' or '.join(map(repr, typing.get_args(inner[1])))}") from None
+        assert len(inner) == 1, f"schema: only Optional[X], X | list[X] and X | Literal unions are supported ({where})"
         return _coerce(inner[0], value, where)
     if origin is Literal:
         if value not in args:
@@ -1144,7 +1166,7 @@ def check_ranges(cfg: Config, ranges) -> None:
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)
-        if value is None:
+        if value is None or isinstance(value, str):  # unset, or a word in a number's place (micro_batch_tokens: auto)
             continue
         lo_text, hi_text = interval[1:-1].split(", ")
         lo, hi = float(lo_text), float(hi_text)

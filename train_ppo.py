@@ -171,6 +171,13 @@ class PPOTrainer:
         steps_per_epoch = len(self.train_set) // cfg.data.batch_size
         self.total_steps = cfg.run.epochs * steps_per_epoch if cfg.run.epochs else cfg.run.total_steps
 
+        # micro_batch_tokens=auto, set in cfg before any model is loaded: from this GPU's free memory by the planner's
+        # model of the run (plan.resolve_at_start; the same on every rank), the fixed budget on the CPU
+        import plan
+
+        budgets = plan.resolve_at_start(cfg, layout.rank, layout.world_size, device)
+        for line in budgets if layout.rank == 0 else []:
+            log.info("%s", line)
         self.pools = {role: layout.pool_of(role) for role in C.required_roles(cfg)}
         trust = cfg.model.trust_remote_code
         hosts = layout.hosts

@@ -3,6 +3,7 @@
     python bench/ppo_step.py                                   # 0.5B and 1.5B, fixed and varying lengths, all systems
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --profile-step 4
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --nproc 2   # 2 GPUs, FSDP2
+    python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --defaults  # the defaults' speed
 
 The work of ../shared/BENCHMARKS.md: 8 prompts x 8 samples per step, 128 random prompt tokens, up to 256 new tokens,
 temperature 1, no reference model and no KL (beta 0), lr 1e-6, one optimizer step per rollout, bf16 compute, on
@@ -22,6 +23,9 @@ on one GPU whatever --nproc says.
 The reward of every system is the same cheap function of the response text (tests reward speed, not quality).
 TRL needs trl, datasets, dill and multiprocess importable; TRL + vLLM and meshrl's vLLM engine the vLLM bundle
 (../shared/vllm). The last lines are a markdown table for bench/RESULTS.md.
+--defaults runs each meshrl point a second time with the default config's micro-batch settings (no
+actor.micro_batch_tokens: auto, sized from the GPU's free memory at start) and prints both s/step, the budget auto
+picked and the ratio (issue 37's target: the defaults within 10% of the bench config).
 """
 
 from __future__ import annotations
@@ -186,6 +190,11 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
         values = [r.get(key) for r in rows]
         out[key.split("/")[1]] = values if any(v is not None for v in values) else None
     out["run_dir"] = str(workdir / "runs" / run_name)
+    # the budget the run trained with (config.yaml is the resolved config: auto's pick)
+    import yaml
+
+    saved = yaml.safe_load((workdir / "runs" / run_name / "config.yaml").read_text())
+    out["micro_batch_tokens"] = saved["actor"]["micro_batch_tokens"]
     return out
 
 
@@ -297,6 +306,9 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=WHOLE_STEP,
                     help="meshrl's actor.micro_batch_tokens (default: the whole step's 64 x 384 tokens in one forward, "
                          "as TRL's per_device_train_batch_size=64 here; meshrl's own default is 8192)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="also run meshrl with the default micro-batch settings (actor.micro_batch_tokens auto) and "
+                         "print both s/step and their ratio")
     ap.add_argument("--json", default=None, help="also write every result here")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the table of results saved with --json (several runs, one table) and exit")
@@ -319,32 +331,53 @@ def main() -> None:
             for system in args.systems:
                 if system == "trl" and (lengths == "varying" or model != args.models[0]):
                     continue  # TRL's HF-generate mode is ~7x slower than its vLLM mode: one point of reference
-                print(f"== {system} {model} {lengths}", flush=True)
-                if system.startswith("meshrl"):
-                    extra = [f"actor.micro_batch_tokens={args.micro_batch_tokens}", *args.extra]
-                    if system == "meshrl-vllm":
-                        extra += ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
-                    r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step,
-                                   args.device, args.nproc)
-                else:
-                    r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
-                                system == "trl-vllm")
-                label = system
-                if system.startswith("meshrl"):
-                    notes = [f"micro-batch {args.micro_batch_tokens}"] if args.micro_batch_tokens != WHOLE_STEP else []
-                    notes += [f"{args.nproc} ranks"] if args.nproc > 1 else []
-                    label += f" ({', '.join(notes + args.extra)})" if notes or args.extra else ""
-                r.update(system=label, model=model, lengths=lengths, params=params,
-                         nproc=args.nproc if system.startswith("meshrl") else 1,
-                         split=any(e.replace(" ", "") == "placement.mode=split" for e in args.extra))
-                if "error" in r:
-                    print(r["error"], flush=True)
-                else:
-                    print(json.dumps({k: v for k, v in r.items() if k != "error"}), flush=True)
-                results.append(r)
+                # --defaults: meshrl a second time without the bench's micro-batch budget (the default config's)
+                for defaults in (False, True) if args.defaults and system.startswith("meshrl") else (False,):
+                    print(f"== {system}{' (defaults)' if defaults else ''} {model} {lengths}", flush=True)
+                    if system.startswith("meshrl"):
+                        extra = [] if defaults else [f"actor.micro_batch_tokens={args.micro_batch_tokens}"]
+                        extra += args.extra
+                        if system == "meshrl-vllm":
+                            extra += ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
+                        r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step,
+                                       args.device, args.nproc)
+                    else:
+                        r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
+                                    system == "trl-vllm")
+                    label = system
+                    if system.startswith("meshrl"):
+                        notes = [f"micro-batch {args.micro_batch_tokens}"] \
+                            if args.micro_batch_tokens != WHOLE_STEP and not defaults else []
+                        notes += [f"defaults: micro-batch auto -> {r.get('micro_batch_tokens')}"] if defaults else []
+                        notes += [f"{args.nproc} ranks"] if args.nproc > 1 else []
+                        label += f" ({', '.join(notes + args.extra)})" if notes or args.extra else ""
+                    r.update(system=label, model=model, lengths=lengths, params=params, defaults=defaults,
+                             nproc=args.nproc if system.startswith("meshrl") else 1,
+                             split=any(e.replace(" ", "") == "placement.mode=split" for e in args.extra))
+                    if "error" in r:
+                        print(r["error"], flush=True)
+                    else:
+                        print(json.dumps({k: v for k, v in r.items() if k != "error"}), flush=True)
+                    results.append(r)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     report(results, args.peak_tflops)
+
+
+def defaults_report(results: list[dict]) -> None:
+    """--defaults: each meshrl point's default-config run against the bench config's run before it."""
+    bench = None
+    for r in results:
+        if not r.get("defaults"):
+            bench = r
+            continue
+        if "error" in r or bench is None or "error" in bench:
+            print(f"defaults {r['model']} {r['lengths']}: failed (see the log)")
+            continue
+        s_default, s_bench = steady(r["steps"]), steady(bench["steps"])
+        print(f"defaults {r['model']} {r['lengths']}: {s_default:.3f} s/step (micro-batch auto -> "
+              f"{r.get('micro_batch_tokens')}) vs bench config {s_bench:.3f} s/step (micro-batch "
+              f"{bench.get('micro_batch_tokens')}): {s_default / s_bench:.3f}x (target <= 1.10)")
 
 
 def phase_cell(result: dict, phase: str) -> str:
@@ -381,6 +414,8 @@ def report(results: list[dict], peak_tflops: float) -> None:
         start = f"{r['start_s']:.0f}" if r.get("start_s") else "-"
         print(f"| {r['model']} | {r['lengths']} | {r['system']} | {s:.3f} | {first3:.1f} | {start} | {resp} | "
               + " | ".join(phases) + f" | {ratio} |")
+    if any(r.get("defaults") for r in results):
+        defaults_report(results)
 
 
 if __name__ == "__main__":

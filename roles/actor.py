@@ -9,6 +9,7 @@ from algo.advantages import as_bool_mask
 from algo.losses import aggregate, kl, logprobs_and_entropy, logprobs_from_logits, policy_loss
 from algo.rollout_correction import correction_weights
 from batch import Batch
+from config import fixed_budget
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.lora import apply_lora
@@ -41,7 +42,9 @@ def native_engine_options(r) -> dict:
 class Actor:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, pad_token_id: int, total_steps: int,
                  trust_remote_code: bool = False, comm_cfg=None, rollout_cfg=None):
-        """cfg: config.ActorConfig; rollout_cfg: config.RolloutConfig (the engine and its sizes and switches)."""
+        """cfg: config.ActorConfig; rollout_cfg: config.RolloutConfig (the engine and its sizes and switches).
+        micro_batch_tokens=auto, which train_ppo.py sizes before building the roles, is the fixed budget here."""
+        cfg = fixed_budget(cfg)
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
         self.replicas = ReplicaSync(comm_cfg, pool)

@@ -7,6 +7,7 @@ import torch
 from algo.advantages import as_bool_mask
 from algo.losses import value_loss
 from batch import Batch
+from config import fixed_budget
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.lora import apply_lora, value_head_name
@@ -28,7 +29,9 @@ from roles.modeling import (
 class Critic:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, total_steps: int,
                  trust_remote_code: bool = False, comm_cfg=None):
-        """cfg: config.CriticConfig. `path` may be a causal-LM checkpoint (fresh value head) or a critic's."""
+        """cfg: config.CriticConfig. `path` may be a causal-LM checkpoint (fresh value head) or a critic's.
+        micro_batch_tokens=auto, which train_ppo.py sizes before building the roles, is the fixed budget here."""
+        cfg = fixed_budget(cfg)
         self.cfg, self.pool, self.device, self.total_steps = cfg, pool, device, total_steps
         self.grad_sync_every = comm_cfg.grad_sync_every if comm_cfg is not None else 1
         self.replicas = ReplicaSync(comm_cfg, pool)

@@ -6,6 +6,7 @@ import torch
 
 from algo.losses import logprobs_from_logits
 from batch import Batch
+from config import FIXED_MICRO_BATCH_TOKENS
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.modeling import join_rows, load_causal_lm, micro_batches, packable, response_logits
@@ -14,8 +15,10 @@ from roles.modeling import join_rows, load_causal_lm, micro_batches, packable, r
 class Reference:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, micro_batch_tokens: int,
                  trust_remote_code: bool = False, pack_sequences: bool = False):
-        """cfg: config.ReferenceConfig; micro_batch_tokens and pack_sequences: the actor's (roles.modeling)."""
-        self.pool, self.micro_batch_tokens = pool, micro_batch_tokens
+        """cfg: config.ReferenceConfig; micro_batch_tokens and pack_sequences: the actor's (roles.modeling; auto
+        unsized is the fixed budget)."""
+        self.pool, self.micro_batch_tokens = pool, FIXED_MICRO_BATCH_TOKENS if micro_batch_tokens == "auto" else \
+            micro_batch_tokens
         model = load_causal_lm(path, trust_remote_code).to(device).eval().requires_grad_(False)
         self.model = shard_model(model, pool, cfg.fsdp, train=False)
         self.pack = pack_sequences and packable(self.model)
