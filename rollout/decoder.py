@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rollout.families import ACTIVATIONS, family_of, parameter, unsupported_reason
+from rollout.families import ACTIVATIONS, Fused, family_of, parameter, unsupported_reason
 from rollout.kernels import decode_attention
 
 __all__ = ["unsupported_reason"]  # where plan.py and native.py have always read it
@@ -81,6 +81,8 @@ class Form(NamedTuple):
     scale: attention's softmax scale, None for head_dim ** -0.5; embed_scale: the embeddings' factor (1.0, or
     sqrt(hidden) in Gemma, already rounded to the model dtype as HF's buffer is); rotary_dim: the leading dimensions
     of each head that rotary rotates (the head's size, or less: partial rotary, Phi-4-mini), the rest pass as they are.
+    qk_norm_split: qk_norm "all" under tensor parallelism (OLMo 2): the ranks the projection is split over, across
+    which each token's sum of squares is all-reduced (1: every head on this rank).
     """
 
     eps: float
@@ -91,6 +93,7 @@ class Form(NamedTuple):
     scale: float | None = None
     embed_scale: float = 1.0
     rotary_dim: int = 0
+    qk_norm_split: int = 1
 
 
 class LayerSpec(NamedTuple):
@@ -130,10 +133,26 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
+def _read(block: nn.Module, path: str | Fused, config, gathered: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The local tensor of one LayerWeights field of `block`. A part of a fused weight (Phi-3) is a view of its rows;
+    under tensor parallelism, where parallel/tp.py stores the fused weight split by rows, the weight is gathered
+    (a collective of the tp group; once per block, kept in `gathered`) and this rank's share of the part copied."""
+    if not isinstance(path, Fused):
+        return _local(parameter(block, path))
+    fused = parameter(block, path.path)
+    if not (isinstance(fused, DTensor) and fused.device_mesh.size() > 1):
+        return _local(fused).split(path.sizes(config))[path.part]
+    if path.path not in gathered:
+        gathered[path.path] = fused.full_tensor().detach()
+    mesh = fused.device_mesh
+    part = gathered[path.path].split(path.sizes(config))[path.part]
+    return part.chunk(mesh.size())[mesh.get_local_rank()].clone()
+
+
 def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     """Views of `model`'s parameters, read now (after any FSDP2 unshard) through its family's description
     (rollout/families.py). Raises ValueError on shapes this forward cannot run: heads not whole on this rank, or
-    parameters still sharded by FSDP.
+    parameters still sharded by FSDP. Collective under tensor parallelism for a family with fused weights (_read).
 
     fuse: also build each block's stacked q/k/v and gate/up weights (copies of about two thirds of a Qwen2.5
     block's weights: 0.47 GB at 0.5B, 1.7 GB at 1.5B in bf16; they live for one rollout) so a step runs two GEMMs
@@ -147,10 +166,11 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     # a norm or bias the family does not have stays None
     absent = {name: None for name in ("input_norm", "post_norm", "q_bias", "k_bias", "v_bias", "o_bias", "gate_bias",
                                       "up_bias", "down_bias")}
-    layers = [LayerWeights(**{**absent,
-                              **{name: _local(parameter(block, path, config))
-                                 for name, path in family.weights.items()}})
-              for block in backbone.layers]
+    layers = []
+    for block in backbone.layers:
+        gathered = {}
+        layers.append(LayerWeights(**{**absent, **{name: _read(block, path, config, gathered)
+                                                   for name, path in family.weights.items()}}))
     first = layers[0]
     hidden = config.hidden_size
     heads, kv_heads = first.q.shape[0] // head_dim, first.k.shape[0] // head_dim
@@ -173,9 +193,6 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
             f"{config.num_key_value_heads}): tensor parallelism must split both into whole, matching groups"
         )
     row_parallel = heads < config.num_attention_heads
-    if row_parallel and family.qk_norm == "all":
-        raise ValueError(f"{config.model_type}: q/k norms over the whole projection need every head on one rank; "
-                         "run it without tensor parallelism")
     dtype = _local(backbone.embed_tokens.weight).dtype
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     embed_scale = float(torch.tensor(hidden ** 0.5).to(dtype)) if family.embed_scale else 1.0
@@ -185,7 +202,8 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     assert all(2 * t.numel() == rotary_dim for t, _ in rotary.tables) and rotary_dim <= head_dim
     form = Form(eps=float(config.rms_norm_eps), norm_offset=family.norm_offset, norm_float32=family.norm_float32,
                 activation=ACTIVATIONS[act], qk_norm=family.qk_norm,
-                scale=None if scale is None else float(scale), embed_scale=embed_scale, rotary_dim=rotary_dim)
+                scale=None if scale is None else float(scale), embed_scale=embed_scale, rotary_dim=rotary_dim,
+                qk_norm_split=config.num_attention_heads // heads if family.qk_norm == "all" else 1)
     weights = DecoderWeights(
         embed=_local(backbone.embed_tokens.weight),
         layers=layers,
@@ -327,15 +345,33 @@ def _add(projected: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return (projected.float() + residual.float()).to(projected.dtype)
 
 
-def _qkv(x: torch.Tensor, w: LayerWeights, form: Form) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _projection_norm(x: torch.Tensor, weight: torch.Tensor, form: Form, reduce: Reduce | None) -> torch.Tensor:
+    """x: [..., width], this rank's share of a projection's output -> same shape, RMSNormed over the whole
+    projection (qk_norm "all"): under tensor parallelism (form.qk_norm_split > 1) each token's sum of squares is
+    all-reduced over the tp group, as parallel/tp.ProjectionNormParallel does in training."""
+    if form.qk_norm_split == 1:
+        return norm(x, weight, form)
+    assert reduce is not None, "a q/k norm over a projection split over tp ranks needs the tp group's reduce"
+    dtype = x.dtype
+    x = x.float()
+    squares = reduce(x.pow(2).sum(-1, keepdim=True))
+    x = x * torch.rsqrt(squares / (x.shape[-1] * form.qk_norm_split) + form.eps)
+    if form.norm_float32:
+        return (x * (form.norm_offset + weight.float())).to(dtype)
+    return (form.norm_offset + weight) * x.to(dtype)
+
+
+def _qkv(x: torch.Tensor, w: LayerWeights, form: Form,
+         reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., hidden] -> q [..., heads * D], k and v [..., kv_heads * D]; one GEMM when the weights are fused.
-    q and k normed over the whole projection where the family says so (qk_norm "all"; "head" is the caller's)."""
+    q and k normed over the whole projection where the family says so (qk_norm "all"; "head" is the caller's);
+    reduce: the tp group's sum, which that norm needs when the heads are split."""
     if w.qkv is None:
         q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
     else:
         q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
     if form.qk_norm == "all":
-        q, k = norm(q, w.q_norm, form), norm(k, w.k_norm, form)
+        q, k = _projection_norm(q, w.q_norm, form, reduce), _projection_norm(k, w.k_norm, form, reduce)
     return q, k, v
 
 
@@ -394,7 +430,7 @@ def decode_layer(
     residual = hidden + residual
     x = norm(residual, w.input_norm, form)
     batch = x.shape[0]
-    q, k, v = (t.view(batch, -1, head_dim) for t in _qkv(x, w, form))
+    q, k, v = (t.view(batch, -1, head_dim) for t in _qkv(x, w, form, reduce))
     q, k = _heads_norm(q, k, w, form)
     if mask is None:  # the kernel rotates q and k and writes k and v into the cache itself
         scale = head_dim ** -0.5 if form.scale is None else form.scale
@@ -445,7 +481,7 @@ def prefill_layer(
     residual = hidden + residual
     x = norm(residual, w.input_norm, form)
     prompts, width = x.shape[:2]
-    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form))
+    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form, reduce))
     q, k = _heads_norm(q, k, w, form)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     q, k = _rotate(q, cos, sin, form.rotary_dim), _rotate(k, cos, sin, form.rotary_dim)

@@ -40,36 +40,37 @@ LLAMA_WEIGHTS = {
 }
 QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 REQUIRED = ("q", "k", "v", "o", "gate", "up", "down")
-# a weight the checkpoint holds inside a fused one: (block, config) -> a view of its rows
-Rows = Callable[[nn.Module, object], torch.Tensor]
-
-
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _qkv_rows(part: int) -> Rows:
-    """q (0), k (1) or v (2): a view of the rows of a fused qkv_proj (Phi-3: q, then k, then v)."""
+@dataclass(frozen=True)
+class Fused:
+    """A weight the checkpoint holds inside a fused one: part `part` of the rows of the weight at `path`, which stacks
+    parts of sizes(config) rows (Phi-3: q | k | v in qkv_proj, gate | up in gate_up_proj). rollout/decoder.py reads
+    it as a view of those rows, or under tensor parallelism (parallel/tp.py stores the fused weight split by rows)
+    gathers the weight and takes this rank's share of the part."""
 
-    def rows(block: nn.Module, config) -> torch.Tensor:
-        d = _head_dim(config)
-        sizes = [config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d]
-        return block.self_attn.qkv_proj.weight.split(sizes)[part]
-
-    return rows
+    path: str
+    part: int
+    sizes: Callable[[object], list[int]]
 
 
-def _gate_up_rows(part: int) -> Rows:
-    """gate (0) or up (1): a view of one half of a fused gate_up_proj (Phi-3: gate first)."""
-    return lambda block, config: block.mlp.gate_up_proj.weight.chunk(2)[part]
+def _qkv_sizes(config) -> list[int]:
+    d = _head_dim(config)
+    return [config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d]
+
+
+def _gate_up_sizes(config) -> list[int]:
+    return [config.intermediate_size] * 2
 
 
 PHI3_WEIGHTS = {
     "input_norm": "input_layernorm.weight",
-    "q": _qkv_rows(0), "k": _qkv_rows(1), "v": _qkv_rows(2),
+    **{name: Fused("self_attn.qkv_proj.weight", i, _qkv_sizes) for i, name in enumerate(("q", "k", "v"))},
     "o": "self_attn.o_proj.weight",
     "post_norm": "post_attention_layernorm.weight",
-    "gate": _gate_up_rows(0), "up": _gate_up_rows(1),
+    **{name: Fused("mlp.gate_up_proj.weight", i, _gate_up_sizes) for i, name in enumerate(("gate", "up"))},
     "down": "mlp.down_proj.weight",
 }
 
@@ -134,7 +135,7 @@ def _no_softcapping(config) -> str | None:
 class Family:
     """How the compact forward reads one family. Field names of `weights` are rollout/decoder.LayerWeights'."""
 
-    weights: dict[str, str | Rows] = field(default_factory=lambda: dict(LLAMA_WEIGHTS))
+    weights: dict[str, str | Fused] = field(default_factory=lambda: dict(LLAMA_WEIGHTS))
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): 1 in Gemma, whose norm weights are 0-centred
     norm_float32: bool = False  # the weight multiplies the float32 normalised x (OLMo 2, Gemma), not its rounding
     qk_norm: str = "none"  # "head": RMSNorm over each head (Qwen3, Gemma 3); "all": over the whole projection (OLMo 2)
@@ -180,11 +181,12 @@ def family_of(model: nn.Module) -> Family | None:
     return FAMILIES.get(getattr(model.config, "model_type", None))
 
 
-def parameter(block: nn.Module, path: str | Rows, config=None) -> torch.Tensor | None:
+def parameter(block: nn.Module, path: str | Fused, config=None) -> torch.Tensor | None:
     """The tensor at `path` under `block` ("self_attn.q_proj.bias"), or None where a module has none (no bias);
-    a Rows path gives its view of a fused weight."""
-    if callable(path):
-        return path(block, config)
+    a Fused path gives its view of the fused weight's rows (of a whole weight: rollout/decoder.py reads split ones)."""
+    if isinstance(path, Fused):
+        fused = parameter(block, path.path)
+        return None if fused is None else fused.split(path.sizes(config))[path.part]
     obj = block
     for name in path.split("."):
         obj = getattr(obj, name, None)
@@ -225,11 +227,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "model.lm_head is missing"
     block = backbone.layers[0]
     for name, path in family.weights.items():
-        try:
-            missing = name in REQUIRED and parameter(block, path, config) is None
-        except AttributeError as error:  # a fused weight's module is not there
-            missing = error
-        if missing:
-            where = path if isinstance(path, str) else f"{name} ({missing})"
+        where = path.path if isinstance(path, Fused) else path  # no split: a DTensor's would gather it
+        if name in REQUIRED and parameter(block, where) is None:
             return f"model.model.layers[0].{where} is missing (the {config.model_type} layout of rollout/families.py)"
     return None

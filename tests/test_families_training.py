@@ -1,6 +1,6 @@
 """The training side of the families in rollout/families.py: packed micro-batches (block-causal attention from the
-position ids) give the padded forward's log-probs, loss and gradients for each, so roles/modeling.py packs them; the
-tensor-parallel plan refuses a q/k norm over the whole projection (OLMo 2)."""
+position ids) give the padded forward's log-probs, loss and gradients for each, so roles/modeling.py packs them.
+Tensor parallelism of the families with their own TP layouts (OLMo 2, Phi-3): tests/test_families_tp.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 from test_modeling import assert_packing_changes_nothing, random_batch
 from test_rollout_families import FAMILIES, tiny_model
 
-from parallel.tp import apply_tp
 from roles.modeling import micro_batches, packable
 
 
@@ -22,11 +21,3 @@ def test_packed_micro_batches_give_the_padded_ones(name):
     assert packable(tiny_model(name))
     assert_packing_changes_nothing(lambda: tiny_model(name), mb, atol=1e-5)
 
-
-def test_tensor_parallelism_refuses_a_q_k_norm_over_all_heads():
-    class Mesh:
-        def size(self):
-            return 2
-
-    with pytest.raises(ValueError, match="olmo2"):
-        apply_tp(tiny_model("olmo2"), Mesh())
