@@ -489,11 +489,23 @@ class PPOTrainer:
                     break
                 self._sample(None, dataclasses.replace(params, n=1))
             return None
+        turns: dict[str, float] = {}  # the engine's counters and phase times, summed over the turns
+
+        def sample(prompts: list[list[int]], turn_params: SamplingParams) -> RolloutOutput:
+            out = self._sample(prompts, turn_params)
+            for key, value in self._engine_stats()[1].items():
+                if key.endswith("_s") or key in ("prefills", "decode_steps", "continued", "continued_tokens"):
+                    turns[key] = turns.get(key, 0.0) + value
+            return out
+
         episodes = run_episodes(
-            self._sample, [dataset[i]["prompt_ids"] for i in mine], [episode_record(dataset[i]) for i in mine],
+            sample, [dataset[i]["prompt_ids"] for i in mine], [episode_record(dataset[i]) for i in mine],
             self.envs, self.observe, params, max_turns=r.max_turns, max_tokens=C.response_budget(self.cfg),
             reward_mode=r.episode_reward, decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
             any_running=lambda flag: anyone(flag, group), max_prompt_tokens=self.cfg.data.max_prompt_len)
+        self._engine_stats()[1].update(turns)  # the step's timing_s/gen_* cover every turn
+        # prompt tokens the engine did not prefill again: the history its slots kept from the turn before
+        episodes.sums["episode/reused_prompt_tokens"] = turns.get("continued_tokens", 0.0)
         self.last_episodes = episodes
         batch = rollout_batch(episodes.output, [i for i in mine for _ in range(params.n)], self.device,
                               episodes.lengths)

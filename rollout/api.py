@@ -22,6 +22,12 @@ class SamplingParams:
     n samples are drawn per prompt and are consecutive in the output. A row ends after it emits one of
     stop_token_ids (the stop token is part of the response and its mask) or after max_new_tokens tokens.
     Stop tokens cannot be sampled before min_new_tokens tokens (benchmarks set min_new_tokens = max_new_tokens).
+
+    Multi-turn (rollout/episodes.py): context_tokens asks for room for sequences of this many tokens in all (an
+    episode's prompt and whole budget), so that later calls can continue them; continues says that this call's
+    prompts may start with sequences the engine's previous call left (its prompts and responses), under the same
+    weights: the native slot engine then prefills only what a prompt adds, into the slot that holds the rest.
+    Engines without such a cache ignore both.
     """
 
     max_new_tokens: int
@@ -31,6 +37,8 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
+    context_tokens: int = 0
+    continues: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -47,6 +55,8 @@ class SamplingParams:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
             )
+        if self.context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
 
 
 @dataclass

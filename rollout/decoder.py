@@ -495,3 +495,50 @@ def prefill_layer(
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=form.scale, enable_gqa=True)
     return _finish_block(out.transpose(1, 2).reshape(prompts, width, -1), residual, w, form, reduce)
+
+
+def extend_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    form: Form,
+    spec: LayerSpec,
+    head_dim: int,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block over P right-padded continuations of width L: row i's tokens take positions starts[i]..starts[i]+L-1
+    of slot slots[i], whose cache already holds the keys/values of the positions before starts[i] (an earlier
+    call's sequence that this row's prompt continues), so only the new tokens are computed.
+
+    hidden, residual: [P, L, hidden]. slots, starts: [P] long. cos, sin: this layer's whole rotary table [T, D] (T the
+    slot length). The padding's positions are clamped to the slot's last one, which no prompt token takes (a slot
+    has room for at least one new token after its prompt) and decode overwrites before any mask admits it.
+    Attention reads the slot's cache up to the longest row's end: each query sees the keys at or before its position
+    (and within spec.window). Returns (block output, residual), [P, L, hidden] each.
+    """
+    residual = hidden + residual
+    x = norm(residual, w.input_norm, form)
+    prompts, width = x.shape[:2]
+    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form, reduce))
+    q, k = _heads_norm(q, k, w, form)
+    positions = starts[:, None] + torch.arange(width, device=x.device)  # [P, L]
+    stored = positions.clamp(max=k_cache.shape[2] - 1)
+    c, s = cos[stored][:, :, None], sin[stored][:, :, None]  # [P, L, 1, D]
+    q, k = _rotate(q, c, s, form.rotary_dim), _rotate(k, c, s, form.rotary_dim)
+    k_cache[slots[:, None], :, stored] = k  # [P, L, kv_heads, D] into [slot, :, position]
+    v_cache[slots[:, None], :, stored] = v
+    length = int(stored.max()) + 1
+    keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]  # [P, kv_heads, T, D]
+    offset = positions[:, :, None] - torch.arange(length, device=x.device)[None, None, :]  # query - key
+    visible = offset >= 0
+    if spec.window:
+        visible &= offset < spec.window
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible[:, None], scale=form.scale,
+                                         enable_gqa=True)
+    return _finish_block(out.transpose(1, 2).reshape(prompts, width, -1), residual, w, form, reduce)

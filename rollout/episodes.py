@@ -10,9 +10,11 @@ whole turn would not fit the episode's token budget (truncated, counted). A turn
 the environment as it is (under a chat template the observation then starts with the end-of-turn token, mask 0).
 
 Every turn is one generate call for all the episodes still running, on every rank that shares the engine (the
-ranks agree whether any episode is still running, so collective engines see the same number of calls); each call
-prefills an episode's whole history again, which the native engine does at prefill speed and vLLM through its
-prefix cache. The environments of all episodes step at once in their worker processes between turns.
+ranks agree whether any episode is still running, so collective engines see the same number of calls). A turn's
+call continues the last one (SamplingParams.continues, the weights unchanged between turns): the native slot engine
+keeps each episode's keys and values in its slot (slots sized for the episode's whole budget, context_tokens) and
+prefills only the observation and what follows; vLLM finds the history in its prefix cache. The environments of all
+episodes step at once in their worker processes between turns.
 """
 
 from __future__ import annotations
@@ -153,7 +155,6 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
     whose first observation is refused runs one turn unstepped, counted as an environment error."""
     n = params.n
     count = len(prompts) * n
-    turn_params = dataclasses.replace(params, n=1)
     history = [list(prompts[e // n]) for e in range(count)]
     ids: list[list[int]] = [[] for _ in range(count)]
     mask: list[list[int]] = [[] for _ in range(count)]
@@ -208,11 +209,14 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutOu
                 else:
                     history[e] += tokens
 
+    # room in every slot for the longest episode (ranks sharing an engine pass the same prompts, so the same figure)
+    context = max((len(h) for h in history), default=0) + max_tokens
     for turn in range(max_turns):
         order = sorted(running)
         if not any_running(bool(order)):
             break
-        out = generate([history[e] for e in order], turn_params)
+        out = generate([history[e] for e in order],
+                       dataclasses.replace(params, n=1, context_tokens=context, continues=turn > 0))
         lengths = out.response_mask.sum(-1).tolist()
         texts, closed, cut = {}, {}, {}
         for row, e in enumerate(order):

@@ -42,6 +42,7 @@ from rollout.decoder import (
     DecoderWeights,
     Form,
     decode_layer,
+    extend_layer,
     fill_weights,
     own_weights,
     prefill_layer,
@@ -62,6 +63,11 @@ CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past 
 PREFILL_GRAPH_TOKENS = 4096
 PREFILL_WIDTH_BUCKET = 64  # a graphed prefill's prompts are right-padded to a multiple of this
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
+# a prompt continues what a slot holds from the last call (SamplingParams.continues) when it starts with at least
+# this many of its tokens (a shorter history is prefilled again: not worth a forward of its own); slots are looked
+# up by their first CONTINUED_KEY tokens
+MIN_CONTINUED_TOKENS = 4
+CONTINUED_KEY = 16
 DECODE_KERNELS = ("auto", "triton", "torch")
 KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
 COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
@@ -180,14 +186,16 @@ def sample_and_record(
 
 class _Run:
     """The cache, the device state, the captured graphs and the host's view of the slots: one generate call's, or,
-    with a resident engine, kept for the next call of the same `config` (reset between calls).
+    with a resident engine, kept for the next call that fits it (reset between calls, the cache kept: what the last
+    call's sequences left in their slots, `last`, may be continued).
 
-    config: what, besides the slots, slot length and the bucket, a captured step depends on (sequences, response
-    length, whether there are stop tokens, the sampling settings, dtype, the attention kernel)."""
+    config: what, besides the slots, slot length and the bucket, a captured step depends on (sequences and response
+    length, which a later call may have fewer of; whether there are stop tokens, the sampling settings, dtype, the
+    attention kernel)."""
 
     def __init__(self, slots: int, slot_len: int, config: tuple, w: DecoderWeights, device):
         num_seqs, max_new, stops = config[:3]
-        self.slots, self.slot_len, self.config, self.num_seqs = slots, slot_len, config, num_seqs
+        self.slots, self.slot_len, self.config, self.num_seqs, self.max_new = slots, slot_len, config, num_seqs, max_new
         self.shapes = (slots, slot_len, *config)  # a captured step's inputs besides the bucket
         shape = (slots, w.kv_heads, slot_len, w.head_dim)
         self.k = [torch.empty(shape, dtype=w.dtype, device=device) for _ in w.layers]
@@ -216,19 +224,35 @@ class _Run:
         cuda = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.capture_stream = torch.cuda.Stream(device) if cuda else None
+        # The cache is zeroed once, not left as allocated: attention weighs masked positions by exactly 0, but
+        # 0 * NaN is NaN. Every later write is a computed key or value.
+        torch._foreach_zero_([*self.k, *self.v])
+        # what the last call left: (its prompts, n, responses, their lengths, {slot: sequence} of the finished
+        # sequences whose slots still hold them), for a call that continues them
+        self.last: tuple | None = None
         self.reset()
 
     def reset(self) -> None:
-        """Every slot free, nothing generated, the cache zeroed."""
+        """Every slot free, nothing generated (the cache keeps what it holds)."""
         st = self.state
-        # Zeroed, not left as they were: attention weighs masked positions by exactly 0, but 0 * NaN is NaN.
-        torch._foreach_zero_([*self.k, *self.v, st.token, st.pos, st.gen, st.live, st.out_tokens, st.out_logprobs,
-                              st.out_len])
+        torch._foreach_zero_([st.token, st.pos, st.gen, st.live, st.out_tokens, st.out_logprobs, st.out_len])
         st.limit.fill_(1)
         st.seq.fill_(self.num_seqs)  # the spare output row
         self.slot_seq: list[int | None] = [None] * self.slots  # host: the sequence in each slot, None when free
         self.slot_pos = [0] * self.slots  # host: pos of each occupied slot, exact at every check
         self.slot_left = [0] * self.slots  # host: an upper bound on the steps each occupied slot may still decode
+        self.finished_at: dict[int, int] = {}  # host: slot -> the finished sequence whose tokens it still holds
+
+    def held(self) -> dict[int, list[int]]:
+        """slot -> the tokens whose keys and values it holds from the last call: a finished sequence's prompt and
+        response but its last token (sampled, never fed back)."""
+        if self.last is None:
+            return {}
+        prompts, n, response, lengths, finished = self.last
+        rows = list(finished.values())
+        tokens, counts = response[rows].tolist(), lengths[rows].tolist()
+        return {slot: prompts[seq // n] + t[: count - 1]
+                for (slot, seq), t, count in zip(finished.items(), tokens, counts)}
 
     def occupied(self) -> list[int]:
         return [s for s, seq in enumerate(self.slot_seq) if seq is not None]
@@ -336,11 +360,13 @@ class SlotEngine:
         num_seqs = len(prompts) * n
         max_new = max(limits)
         longest = max(len(p) + limit for p, limit in zip(prompts, limits))
-        slot_len = -(-longest // SLOT_ALIGN) * SLOT_ALIGN
+        slot_len = -(-max(longest, params.context_tokens) // SLOT_ALIGN) * SLOT_ALIGN
         sampling = (w.form, params.temperature, params.top_k, params.top_p, params.min_new_tokens, kernel_sampling)
         config = (num_seqs, max_new, bool(params.stop_token_ids), sampling, w.dtype, kernel_attention)
         run = self._run
-        new_run = run is None or run.config != config or run.slot_len < slot_len
+        new_run = (run is None or run.config[2:] != config[2:] or run.num_seqs < num_seqs or run.max_new < max_new
+                   or run.slot_len < slot_len)
+        held = run.held() if params.continues and not new_run else {}
         if new_run:
             self._run = run = None  # the kept run's memory counts as free when the new one is sized
             slots, by_share = self._slot_count(w, slot_len, longest, num_seqs, device)
@@ -352,7 +378,7 @@ class SlotEngine:
         else:
             run.reset()
         self.stats = dict(slots=run.slots, decode_steps=0, prefills=0, prefills_padded=0, graphs=0, prefill_graphs=0,
-                          new_run=int(new_run),
+                          new_run=int(new_run), continued=0, continued_tokens=0,
                           kernel_attention=int(kernel_attention), kernel_sampling=int(kernel_sampling),
                           prefill_s=0.0, capture_s=0.0, decode_s=0.0)
         clock = DeviceClock(device)
@@ -389,6 +415,10 @@ class SlotEngine:
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))
+        continued = _continued(held, prompts, n)
+        if continued:
+            self._extend(run, w, prompts, n, limits, continued, reduce, sample_rows, clock)
+            waiting = deque(seq for seq in waiting if seq not in continued)
         graphed_prefills = use_graphs and self.pad_prefills is not False
         # with graphs at once, but for a whole prompt's n samples (one prefill each, not one per sample)
         eighth = max(1, run.slots // ADMIT_SHARE)
@@ -428,9 +458,12 @@ class SlotEngine:
         width = int(lengths.max())
         self.stats.update(clock.pop())
         mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+        response = run.state.out_tokens[:num_seqs, :width].masked_fill(~mask, self.pad_token_id)
+        if self._run is run:  # kept: the next call may continue these sequences (copies: the caller owns its lists)
+            run.last = ([list(p) for p in prompts], n, response.clone(), lengths.clone(), dict(run.finished_at))
         return RolloutOutput(
             prompt_ids=[list(p) for p in prompts for _ in range(n)],
-            response_ids=run.state.out_tokens[:num_seqs, :width].masked_fill(~mask, self.pad_token_id),
+            response_ids=response,
             response_mask=mask.long(),
             logprobs=run.state.out_logprobs[:num_seqs, :width].masked_fill(~mask, 0.0),
         )
@@ -511,10 +544,9 @@ class SlotEngine:
         logits = self.max_num_seqs * w.embed.shape[0] * 16  # logits and their float32 temporaries
         return prefill + logits
 
-    def _prefill(self, run: _Run, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows, clock,
-                 use_graphs: bool) -> None:
-        """Put the admitted (sequence, slot) pairs into their slots: one prefill per prompt, the first token sampled.
-        layer: prefill_layer (maybe compiled) with its reduce bound."""
+    @staticmethod
+    def _admit(run: _Run, w: DecoderWeights, prompts, n, limits, admitted) -> None:
+        """The (sequence, slot) pairs' state: each slot serves its sequence from the position after its prompt."""
         st, device = run.state, w.embed.device
         seqs = torch.tensor([seq for seq, _ in admitted], device=device)
         slots = torch.tensor([slot for _, slot in admitted], device=device)
@@ -527,7 +559,13 @@ class SlotEngine:
         st.live[slots] = True
         for (seq, slot), prompt_len, limit in zip(admitted, prompt_lens, seq_limits):
             run.slot_seq[slot], run.slot_pos[slot], run.slot_left[slot] = seq, prompt_len, limit - 1
+            run.finished_at.pop(slot, None)
 
+    def _prefill(self, run: _Run, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows, clock,
+                 use_graphs: bool) -> None:
+        """Put the admitted (sequence, slot) pairs into their slots: one prefill per prompt, the first token sampled.
+        layer: prefill_layer (maybe compiled) with its reduce bound."""
+        self._admit(run, w, prompts, n, limits, admitted)
         by_prompt: dict[int, list[int]] = {}
         for seq, slot in admitted:
             by_prompt.setdefault(seq // n, []).append(slot)
@@ -542,6 +580,41 @@ class SlotEngine:
         for chunk in chunks:
             self._prefill_chunk(run, w, [prompts[i] for i in chunk], [by_prompt[i] for i in chunk], layer,
                                 sample_rows, clock, use_graphs)
+
+    def _extend(self, run: _Run, w: DecoderWeights, prompts, n, limits, continued: dict[int, tuple[int, int]],
+                reduce, sample_rows, clock) -> None:
+        """Admit the sequences of `continued` ({sequence: (slot, start)}: the slot holds its prompt's first `start`
+        tokens from the last call) into those slots: prefill the rest of each prompt (extend_layer, op by op) and
+        sample its first token. Chunks: at most max_prefill_tokens new tokens (padded), and the context they read
+        (the rows' whole lengths) at most 16 times that."""
+        self._admit(run, w, prompts, n, limits, [(seq, slot) for seq, (slot, _) in continued.items()])
+        device = w.embed.device
+        self.stats["continued"] += len(continued)
+        self.stats["continued_tokens"] += sum(start for _, start in continued.values())
+        chunks, width, longest = [[]], 0, 0
+        for seq, (slot, start) in continued.items():
+            rest, whole = len(prompts[seq // n]) - start, len(prompts[seq // n])
+            if chunks[-1] and ((len(chunks[-1]) + 1) * max(width, rest) > self.max_prefill_tokens
+                               or (len(chunks[-1]) + 1) * max(longest, whole) > 16 * self.max_prefill_tokens):
+                chunks.append([])
+                width = longest = 0
+            width, longest = max(width, rest), max(longest, whole)
+            chunks[-1].append((prompts[seq // n][start:], slot, start))
+        for chunk in chunks:
+            width = max(len(rest) for rest, _, _ in chunk)
+            padded = [rest + [self.pad_token_id] * (width - len(rest)) for rest, _, _ in chunk]
+            ids = torch.tensor(padded, device=device)
+            slots, starts = (torch.tensor([c[i] for c in chunk], device=device) for i in (1, 2))
+            last = torch.tensor([len(rest) - 1 for rest, _, _ in chunk], device=device)
+            self.stats["prefills"] += 1
+            with clock("prefill_s"):
+                hidden = embed_tokens(ids, w.embed, w.form.embed_scale)
+                residual = torch.zeros_like(hidden)
+                for block, spec, k, v in zip(w.layers, w.specs, run.k, run.v):
+                    hidden, residual = extend_layer(hidden, residual, block, k, v, slots, starts, run.cos[spec.rope],
+                                                    run.sin[spec.rope], w.form, spec, w.head_dim, reduce)
+                rows = torch.arange(len(chunk), device=device)
+                sample_rows(hidden[rows, last], residual[rows, last], slots, False)
 
     def _prefill_chunk(self, run: _Run, w: DecoderWeights, chunk_prompts, chunk_slots, layer, sample_rows, clock,
                        use_graphs: bool) -> None:
@@ -635,6 +708,7 @@ class SlotEngine:
                 run.slot_pos[slot] = pos[slot]
                 run.slot_left[slot] -= steps
             else:
+                run.finished_at[slot] = run.slot_seq[slot]
                 run.slot_seq[slot] = None
         occupied = run.occupied()
         slots = len(run.slot_seq)
@@ -646,6 +720,9 @@ class SlotEngine:
         length = max(run.slot_pos[s] for s in occupied)
         for cache in (*run.k, *run.v):
             cache[:count, :, :length] = cache[src, :, :length]
+        for slot, moved in enumerate(occupied):
+            if slot != moved:
+                run.finished_at.pop(slot, None)
         for t in (st.token, st.pos, st.gen, st.limit, st.live, st.seq):
             t[:count] = t[src]
         st.live[count:] = False
@@ -653,6 +730,31 @@ class SlotEngine:
             values = getattr(run, field)
             moved = [values[s] for s in occupied]
             values[:] = moved + ([None] * (slots - count) if field == "slot_seq" else [0] * (slots - count))
+
+
+def _continued(held: dict[int, list[int]], prompts: list[list[int]], n: int) -> dict[int, tuple[int, int]]:
+    """{sequence: (slot, start)} for the prompts that continue what a slot holds (held: slot -> its tokens): the
+    first sample of a prompt whose first `start` tokens a slot holds, start the most any slot offers, at least
+    MIN_CONTINUED_TOKENS and at most all but the prompt's last token (whose forward samples the first new one).
+    Slots are found by their first (up to CONTINUED_KEY) tokens, then compared whole."""
+    by_start: dict[tuple[int, ...], list[int]] = {}
+    for slot, tokens in held.items():
+        if len(tokens) >= MIN_CONTINUED_TOKENS:
+            by_start.setdefault(tuple(tokens[:CONTINUED_KEY]), []).append(slot)
+    keys = sorted({len(key) for key in by_start}, reverse=True)
+    continued: dict[int, tuple[int, int]] = {}
+    taken: set[int] = set()
+    for index, prompt in enumerate(prompts):
+        best = None
+        for k in keys:
+            for slot in by_start.get(tuple(prompt[:k]), ()) if k < len(prompt) else ():
+                start = min(len(held[slot]), len(prompt) - 1)
+                if slot not in taken and prompt[:start] == held[slot][:start] and (best is None or start > best[1]):
+                    best = (slot, start)
+        if best is not None:
+            continued[index * n] = best
+            taken.add(best[0])
+    return continued
 
 
 def _prefill_shape(prompts: int, width: int, rows: int, slot_len: int) -> tuple[int, int, int] | None:

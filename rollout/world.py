@@ -25,6 +25,7 @@ seed, as a run on another number of ranks does. Greedy samples are the same wher
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -198,8 +199,12 @@ class WorldRollout:
         self.sync(version)
         shares: list = [None] * self.world
         sends = self.owner is not None and self.actor.tp_rank_of(self.rank) == 0
-        dist.all_gather_object(shares, (self.owner, prompts) if sends else None)
-        by_owner = dict(sorted(share for share in shares if share is not None))
+        dist.all_gather_object(shares, (self.owner, prompts, params) if sends else None)
+        sent = sorted((share for share in shares if share is not None), key=lambda share: share[0])
+        by_owner = {owner: theirs for owner, theirs, _ in sent}
+        # every engine samples with the first owner's settings, with room for every owner's sequences: the ranks
+        # outside the actor's pool have none of their own, and the owners' differ at most in context_tokens
+        params = dataclasses.replace(sent[0][2], context_tokens=max(theirs.context_tokens for _, _, theirs in sent))
         union = [(owner, index, prompt) for owner, theirs in by_owner.items() for index, prompt in enumerate(theirs)]
         start, end = chunks(len(union), self.units.count)[self.unit]
         mine = union[start:end]

@@ -358,6 +358,8 @@ def test_episodes_under_tensor_parallelism_see_one_environment(assets, tmp_path)
     assert proc.returncode == 0, explain(proc)
     step = read_rows(tmp_path / "runs")[1]
     assert step["episode/turns/mean"] > 1.0 and step["episode/env_errors/mean"] == 0.0, step
+    # later turns continue their episodes' slots on both ranks alike (a rank that did otherwise would hang)
+    assert step["episode/reused_prompt_tokens/mean"] > 0, step
 
 
 def test_grpo_on_an_environments_reward_alone_over_two_fsdp_ranks(assets, tmp_path):  # noqa: F811

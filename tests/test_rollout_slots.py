@@ -275,7 +275,8 @@ def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model,
     assert torch.equal(second.response_ids, expected.response_ids)
     assert torch.equal(second.response_mask, expected.response_mask)
     torch.testing.assert_close(second.logprobs, expected.logprobs, atol=0, rtol=0)
-    # Shorter prompts fit the kept slots; other sampling settings or longer sequences build a new run.
+    # Shorter prompts and fewer sequences fit the kept run; other sampling settings, more sequences or longer
+    # ones build a new run.
     short = [p[:1] for p in PROMPTS]
     assert torch.equal(kept.generate(short, params, seed()).response_ids,
                        fresh.generate(short, params, seed()).response_ids)
@@ -290,7 +291,7 @@ def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model,
 
     monkeypatch.setattr(slots, "_Run", Run)
     for prompts, changed in ((short, dataclasses.replace(params, temperature=0.5)),
-                             (short, dataclasses.replace(params, n=1)), ([p * 3 for p in PROMPTS], params)):
+                             (short, dataclasses.replace(params, n=3)), ([p * 3 for p in PROMPTS], params)):
         old_cache = weakref.ref(kept.slots._run.k[0])
         out = kept.generate(prompts, changed, seed())
         assert kept.stats["new_run"] == 1

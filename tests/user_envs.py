@@ -45,7 +45,7 @@ class Scripted:
 
 
 def scripted(record: dict) -> Scripted:
-    return Scripted(record)
+    return Scripted(record, record.get("length", 2))
 
 
 def by_prompt(record: dict) -> Scripted:

@@ -8,6 +8,7 @@ the rank prints a line with MISMATCH and exits 1; on success each rank prints 'r
 """
 
 import copy
+import dataclasses
 import sys
 
 import torch
@@ -182,6 +183,17 @@ def check_tp(mesh: DeviceMesh) -> None:
     check(engines["slots"].stats["new_run"] == 0, f"tp: the resident run was not reused {engines['slots'].stats}")
     check(not torch.allclose(out.logprobs, before.logprobs), "tp: the weight change changed nothing")
     check_same(out, reference.generate(prompts, params), "tp resident after a weight change")
+
+    # A call that continues the last one (multi-turn episodes): each rank prefills only the new tokens into its
+    # heads' cache and samples what the unsharded model samples from the whole prompts.
+    histories = [list(range(1, 21)), list(range(21, 41))]
+    params = SamplingParams(max_new_tokens=6, temperature=0, context_tokens=48)
+    first = engines["slots"].generate(histories, params)
+    lengths = first.response_mask.sum(-1).tolist()
+    histories = [h + r[:n] + [5, 6] for h, r, n in zip(histories, first.response_ids.tolist(), lengths)]
+    out = engines["slots"].generate(histories, dataclasses.replace(params, continues=True))
+    check(engines["slots"].stats["continued"] == 2, f"tp: the histories were not continued {engines['slots'].stats}")
+    check_same(out, reference.generate(histories, params), "tp continued")
 
 
 def check_tp_kernels(mesh: DeviceMesh) -> None:
