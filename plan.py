@@ -580,16 +580,16 @@ def make_plan(cfg: C.Config, world: int, gpu: int) -> Plan:
 # ---------------------------------------------------------------------------------------------------------------
 # micro_batch_tokens: auto, the largest budget whose activations fit the GPU's free memory
 
-AUTO_MARGIN = 0.10  # of the free memory, left out of what auto fills, 2 GiB at least: what the plan does not count
+AUTO_MARGIN = 10  # percent of the free memory left out of what auto fills, 2 GiB at least: what the plan does not count
 AUTO_MARGIN_MIN = 2 * GiB
 BUDGET_USERS = {"actor": ("actor", "reference", "reward", "teacher"), "critic": ("critic",)}  # whose forwards use it
 
 
 def auto_limit(free: int) -> int:
     """The bytes a rank's planned phases may fill on a GPU with `free` bytes free at start-up: less a margin of
-    AUTO_MARGIN (AUTO_MARGIN_MIN at least) for what the plan does not count (NCCL buffers, allocator fragmentation,
-    the batch tensors, compiled kernels' workspaces)."""
-    return free - max(int(AUTO_MARGIN * free), AUTO_MARGIN_MIN)
+    AUTO_MARGIN percent (AUTO_MARGIN_MIN at least) for what the plan does not count (NCCL buffers, allocator
+    fragmentation, the batch tensors, compiled kernels' workspaces)."""
+    return free - max(free * AUTO_MARGIN // 100, AUTO_MARGIN_MIN)
 
 
 def largest_budget(limit: int, cost, width: int, max_rows: int) -> int:
@@ -707,17 +707,22 @@ def describe_budget(section: str, tokens: int, pools: list[PoolBudget], width: i
         why = "all of a rank's rows in one forward"
     else:
         why = "as another pool's ranks allow"
-    parts = [f"pool {b.pool}: {b.phase} plans {_gib(b.peak)} GiB of {_gib(b.limit)} usable at {b.rows} rows"
+    parts = [f"pool {b.pool}: {b.phase} plans {_gib(b.peak)} GiB of {_gib(b.limit)} usable at {_rows(b.rows)}"
              + (f", {_gib(b.over)} at {b.rows + 1}" if b.over is not None else f" (all {b.cap} of its rows)")
              for b in pools]
-    return f"{key} ({rows} rows of {width} tokens: {why}; {'; '.join(parts)})"
+    return f"{key} ({_rows(rows)} of {width} tokens: {why}; {'; '.join(parts)})"
 
 
-def resolve_at_start(cfg: C.Config, rank: int, world: int, device) -> list[str]:
+def _rows(n: int) -> str:
+    return f"{n} row" + ("s" if n != 1 else "")
+
+
+def resolve_at_start(cfg: C.Config, rank: int, world: int, device, free: int | None = None) -> list[str]:
     """train_ppo.py at start-up, before any model is loaded: every micro_batch_tokens=auto set in `cfg` (in place,
     the same value on every rank) and the lines that say why. On the CPU the fixed budget; on a GPU auto_budgets'
-    rule for this rank's pool with the GPU's free memory now (what the plan's phases will fill), the fewest rows any
-    rank allows (a collective over the world). A run the planner cannot model falls back to the fixed budget."""
+    rule for this rank's pool with `free` bytes (default: the GPU's free memory now, what the plan's phases will
+    fill), the fewest rows any rank allows (a collective over the world when there is one, on `device`). A run the
+    planner cannot model falls back to the fixed budget."""
     import torch
     import torch.distributed as dist
 
@@ -725,12 +730,13 @@ def resolve_at_start(cfg: C.Config, rank: int, world: int, device) -> list[str]:
     if not keys:
         return []
     width = row_width(cfg)
-    if device.type != "cuda":
+    if device.type != "cuda" and free is None:
         for s in keys:
             getattr(cfg, s).micro_batch_tokens = C.FIXED_MICRO_BATCH_TOKENS
         return [describe_budget(s, C.FIXED_MICRO_BATCH_TOKENS, [], width, cpu=True) for s in keys]
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     pools, index, first = C.pools_of(cfg, world), 0, 0
     while rank >= first + pools[index].size:
         first += pools[index].size
@@ -1173,7 +1179,7 @@ def main(argv: list[str], world_env: int = 1, rank: int = 0) -> int:
     print(describe(cfg, plan, fixes, source))
     if budgets:
         print(f"\nmicro-batch budgets set to auto (a GPU of {gpu / GiB:.1f} GiB taken as free at start; the run "
-              f"measures its own, less {AUTO_MARGIN:.0%}, {AUTO_MARGIN_MIN / GiB:g} GiB at least):")
+              f"measures its own, less {AUTO_MARGIN}%, {AUTO_MARGIN_MIN / GiB:g} GiB at least):")
         for s, (tokens, pools) in budgets.items():
             print("  " + describe_budget(s, tokens, pools, row_width(cfg), cfg.run.device == "cpu"))
     if args.suggest and placement is None:
