@@ -31,6 +31,10 @@ QWEN_15B = str(ROOT / "configs" / "models" / "qwen2.5-1.5b.json")
 BENCH = ["data.batch_size=8", "rollout.n=8", "data.max_prompt_len=128", "rollout.max_new_tokens=256",
          "algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false", "algorithm.kl.in_loss=false",
          "data.eval_path=null", "run.device=auto"]
+# PPO with a critic and a reference on a pool of their own: the reference's forwards use the actor's budget there
+SPLIT = ["algorithm.adv_estimator=gae", "algorithm.kl.in_loss=true", "placement.mode=split",
+         "placement.pools=[{name: a, size: 1, roles: [actor, reward]}, {name: b, size: 1, roles: [critic, reference]}]"]
+FREE_GIB = (50, 30)  # each rank's free memory in the two-rank run (rank 1's pool then holds the actor's budget down)
 
 
 def bench_config(tmp_path, model=QWEN_05B, *extra: str) -> C.Config:
@@ -124,11 +128,7 @@ def test_a_config_gets_the_largest_budget_that_fits_and_all_of_a_ranks_rows_when
 
 
 def test_the_critic_and_split_pools_each_hold_the_budget_to_what_fits_them(tmp_path):
-    # PPO with a critic, a reference: the reference's forwards use the actor's budget on a pool of their own
-    split = ["algorithm.adv_estimator=gae", "algorithm.kl.in_loss=true", "placement.mode=split",
-             "placement.pools=[{name: a, size: 1, roles: [actor, reward]}, {name: b, size: 1, roles: "
-             "[critic, reference]}]"]
-    cfg = bench_config(tmp_path, QWEN_15B, *split)
+    cfg = bench_config(tmp_path, QWEN_15B, *SPLIT)
     for free_gib in (30, 50):
         found = P.auto_budgets(cfg, 2, free_gib * GiB)
         assert found["actor"][0] == slow_budget(cfg, 2, free_gib * GiB, "actor"), free_gib
@@ -149,6 +149,44 @@ def test_the_start_up_resolution_sets_the_config_as_the_plan_says(tmp_path):
         f"{s}.micro_batch_tokens=auto -> {C.FIXED_MICRO_BATCH_TOKENS}: the fixed budget on the CPU"
         for s in ("actor", "critic")]
     assert (cpu.actor.micro_batch_tokens, cpu.critic.micro_batch_tokens) == (C.FIXED_MICRO_BATCH_TOKENS,) * 2
+
+
+def resolve_worker(tmp: str, out: str) -> None:
+    """torchrun --nproc_per_node 2 tests/test_micro_budget.py TMP OUT: resolve_at_start on two gloo ranks of SPLIT,
+    each with its own free memory; writes each rank's resolved budgets."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from parallel.distributed import init_distributed
+
+    info = init_distributed("gloo", device="cpu")
+    own = Path(tmp) / f"rank{info.rank}"  # a config file of its own
+    own.mkdir()
+    cfg = bench_config(own, QWEN_15B, *SPLIT)
+    P.resolve_at_start(cfg, info.rank, 2, torch.device("cpu"), free=FREE_GIB[info.rank] * GiB)
+    Path(f"{out}.{info.rank}").write_text(json.dumps([cfg.actor.micro_batch_tokens, cfg.critic.micro_batch_tokens]))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_fewest_rows_any_ranks_memory_allows(tmp_path):
+    from conftest import torchrun
+
+    proc = torchrun([__file__, str(tmp_path), str(tmp_path / "out")], nproc=2, timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    got = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
+    # each pool by its own rank's memory (pool_budget), then the fewest rows any pool allows
+    cfg = bench_config(tmp_path, QWEN_15B, *SPLIT)
+    base = P.with_values(cfg, [("actor.micro_batch_tokens", 384), ("critic.micro_batch_tokens", 384)])
+    models, pools = P.role_models(cfg), C.pools_of(cfg, 2)
+    want = []
+    for section in ("actor", "critic"):
+        found = [P.pool_budget(base, models, section, pool, i, FREE_GIB[i] * GiB) for i, pool in enumerate(pools)]
+        found = [b for b in found if b is not None]
+        held = [b.rows for b in found if b.rows < b.cap]  # a pool at its cap holds the budget to nothing
+        want.append((min(held) if held else max(b.cap for b in found)) * 384)
+    assert got == [want, want]
+    assert want[0] < P.auto_budgets(cfg, 2, FREE_GIB[0] * GiB)["actor"][0]  # the poorer rank held the budget down
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,3 +280,7 @@ def test_the_bench_reports_the_defaults_against_the_bench_config(tmp_path):
     assert (f"defaults qwen2.5-0.5b fixed: {steady_defaults:.3f} s/step (micro-batch auto -> 24576) vs bench config "
             f"{steady_bench:.3f} s/step (micro-batch 24576): {steady_defaults / steady_bench:.3f}x (target <= 1.10)") \
         in proc.stdout, proc.stdout
+
+
+if __name__ == "__main__":
+    resolve_worker(sys.argv[1], sys.argv[2])
