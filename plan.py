@@ -45,6 +45,11 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
       forward only (no_grad: reference, reward, old log-probs, values): T (layer + 2 b h) plus, for a causal LM,
                          2 T V b (the logits and their gathered copy) + 2 min(T, 1024) V 4
   tests/test_plan.py measures an update's peak with torch's CPU memory profiler: plan / measured in [0.95, 1.5].
+  micro_batch_tokens: auto (the default, actor and critic): the largest budget of whole rows of W, at most a rank's
+  rows, whose phases (the role's update and forward, and the forwards of the roles that use its budget) fit the
+  GPU's free memory less 10% (2 GiB at least), the fewest rows any pool allows (auto_budgets; train_ppo.py measures
+  the free memory at start-up, before loading any model: resolve_at_start); 8192 on the CPU. The plan shows the
+  pick and why, for GPUs of --gpu-memory bytes taken as free; tests/test_micro_budget.py.
 - rollout on the actor's pool, native engine (rollout/native.py, rollout/slots.py): the whole model gathered in
   param_dtype, the fused q/k/v and gate/up copies (rollout.fused_projections), the transient bound the engine keeps
   out of the cache (SlotEngine._activation_bytes: max_prefill_tokens (6 h + 3 i + 2 (q + 2 k)) b + max_num_seqs V
