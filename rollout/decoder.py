@@ -83,6 +83,8 @@ class Form(NamedTuple):
     of each head that rotary rotates (the head's size, or less: partial rotary, Phi-4-mini), the rest pass as they are.
     qk_norm_split: qk_norm "all" under tensor parallelism (OLMo 2): the ranks the projection is split over, across
     which each token's sum of squares is all-reduced (1: every head on this rank).
+    attn_softcap, logit_softcap: Gemma 2's soft-capping (cap * tanh(x / cap)) of the attention scores (after the
+    scale, before the mask) and of the final logits; 0: none.
     """
 
     eps: float
@@ -94,6 +96,8 @@ class Form(NamedTuple):
     embed_scale: float = 1.0
     rotary_dim: int = 0
     qk_norm_split: int = 1
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
 
 
 class LayerSpec(NamedTuple):
@@ -203,7 +207,9 @@ def read_weights(model: nn.Module, fuse: bool = False) -> DecoderWeights:
     form = Form(eps=float(config.rms_norm_eps), norm_offset=family.norm_offset, norm_float32=family.norm_float32,
                 activation=ACTIVATIONS[act], qk_norm=family.qk_norm,
                 scale=None if scale is None else float(scale), embed_scale=embed_scale, rotary_dim=rotary_dim,
-                qk_norm_split=config.num_attention_heads // heads if family.qk_norm == "all" else 1)
+                qk_norm_split=config.num_attention_heads // heads if family.qk_norm == "all" else 1,
+                attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+                logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0))
     weights = DecoderWeights(
         embed=_local(backbone.embed_tokens.weight),
         layers=layers,
@@ -329,6 +335,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping, in HF's order of operations); x itself where cap is 0."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: Form, mask: torch.Tensor | None = None,
+            causal: bool = False, gqa: bool = True) -> torch.Tensor:
+    """Attention of q [..., H, Lq, D] over k, v [..., KVH, Lk, D] (H a multiple of KVH), mask: bool, True where a
+    query may see a key, broadcastable to [..., H, Lq, Lk], or causal. PyTorch's SDPA; with soft-capped scores
+    (form.attn_softcap, Gemma 2), which SDPA cannot compute, HF's eager attention: scores in the inputs' dtype,
+    capped, masked, softmax in float32 rounded back. Returns [..., H, Lq, D]."""
+    if not form.attn_softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=form.scale,
+                                              enable_gqa=gqa)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
+    scale = q.shape[-1] ** -0.5 if form.scale is None else form.scale
+    scores = soft_cap(q @ k.transpose(-1, -2) * scale, form.attn_softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: Reduce | None):
     """o_proj / down_proj: partial sums reduced over the tp group before the (replicated) bias is added once."""
     y = F.linear(x, weight)
@@ -434,7 +466,8 @@ def decode_layer(
     q, k = _heads_norm(q, k, w, form)
     if mask is None:  # the kernel rotates q and k and writes k and v into the cache itself
         scale = head_dim ** -0.5 if form.scale is None else form.scale
-        out = decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, length, spec.window, scale, form.rotary_dim)
+        out = decode_attention(q, k, v, k_cache, v_cache, pos, cos, sin, length, spec.window, scale, form.rotary_dim,
+                               form.attn_softcap)
     else:
         q, k = _rotate(q, cos[:, None], sin[:, None], form.rotary_dim), _rotate(k, cos[:, None], sin[:, None],
                                                                                 form.rotary_dim)
@@ -447,10 +480,8 @@ def decode_layer(
             mask = mask & (positions[None, :] > (pos - spec.window)[:, None])[:, None, None, :]
         # Grouped-query attention for one position: the query heads sharing a key/value head become that head's
         # "query positions", so SDPA reads each cached key/value head once and needs no repeat.
-        out = F.scaled_dot_product_attention(
-            q.view(batch, kv_heads, -1, head_dim), k_cache[:batch, :, :length], v_cache[:batch, :, :length],
-            attn_mask=mask, scale=form.scale,
-        )
+        out = _attend(q.view(batch, kv_heads, -1, head_dim), k_cache[:batch, :, :length], v_cache[:batch, :, :length],
+                      form, mask, gqa=False)
     return _finish_block(out.reshape(batch, -1), residual, w, form, reduce)
 
 
@@ -491,9 +522,9 @@ def prefill_layer(
         positions = torch.arange(width, device=x.device)
         offset = positions[:, None] - positions[None, :]  # query - key
         band = (offset >= 0) & (offset < spec.window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=form.scale, enable_gqa=True)
+        out = _attend(q, k, v, form, band)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=form.scale, enable_gqa=True)
+        out = _attend(q, k, v, form, causal=True)
     return _finish_block(out.transpose(1, 2).reshape(prompts, width, -1), residual, w, form, reduce)
 
 
@@ -539,6 +570,5 @@ def extend_layer(
     visible = offset >= 0
     if spec.window:
         visible &= offset < spec.window
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible[:, None], scale=form.scale,
-                                         enable_gqa=True)
+    out = _attend(q.transpose(1, 2), keys, values, form, visible[:, None])
     return _finish_block(out.transpose(1, 2).reshape(prompts, width, -1), residual, w, form, reduce)

@@ -10,7 +10,8 @@ greedy tokens against HF `generate` and the engine's log-probs against the teach
 
 Not described, so decoded through the HF forward (rollout/native.py warns once naming that slower path):
 mixture-of-experts families, dynamic rotary scaling (NTK, longrope, YaRN: Phi-3's long-context variants use longrope),
-attention or logit soft-capping (Gemma 2), and any model_type not listed in FAMILIES.
+final logit soft-capping (Gemma 2's final_logit_softcapping: the slot engine's sampler does not cap the logits yet;
+attention soft-capping is in the compact forward and the decode kernel), and any model_type not listed in FAMILIES.
 """
 
 from __future__ import annotations
@@ -124,11 +125,16 @@ def _windows_everywhere(config) -> list[int]:
     return [getattr(config, "sliding_window", None) or 0] * config.num_hidden_layers
 
 
-def _no_softcapping(config) -> str | None:
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return f"{name}={getattr(config, name)} (soft-capping is not in the compact forward)"
+def _no_final_softcapping(config) -> str | None:
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        return f"final_logit_softcapping={cap} (the slot engine's sampler does not cap the logits)"
     return None
+
+
+# Gemma's sandwich norms: after attention and after the MLP as well as before each
+GEMMA_WEIGHTS = {**LLAMA_WEIGHTS, "attn_out_norm": "post_attention_layernorm.weight",
+                 "post_norm": "pre_feedforward_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
 
 
 @dataclass(frozen=True)
@@ -160,12 +166,15 @@ FAMILIES: dict[str, Family] = {
         norm_float32=True, qk_norm="all", rotary_float32=True,
     ),
     "gemma3_text": Family(
-        weights={**LLAMA_WEIGHTS, **QK_NORMS, "attn_out_norm": "post_attention_layernorm.weight",
-                 "post_norm": "pre_feedforward_layernorm.weight",
-                 "mlp_out_norm": "post_feedforward_layernorm.weight"},
+        weights={**GEMMA_WEIGHTS, **QK_NORMS},
         norm_offset=1.0, norm_float32=True, qk_norm="head", embed_scale=True,
         attn_scale=lambda config: config.query_pre_attn_scalar ** -0.5,
-        rotary=_rotary_per_layer_type, check=_no_softcapping,
+        rotary=_rotary_per_layer_type, check=_no_final_softcapping,
+    ),
+    # Gemma 3 without q/k norms, one rotary table; attention scores soft-capped (Form.attn_softcap, from the config)
+    "gemma2": Family(
+        weights=GEMMA_WEIGHTS, norm_offset=1.0, norm_float32=True, embed_scale=True,
+        attn_scale=lambda config: config.query_pre_attn_scalar ** -0.5, check=_no_final_softcapping,
     ),
     # q/k/v and gate/up fused in the checkpoint (read as views of their rows); partial rotary (Phi-4-mini: 0.75 of
     # each head) comes with the rotary module's table, narrower than the head

@@ -99,16 +99,26 @@ if triton is not None:
         return x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin
 
     @triton.jit
+    def _soft_cap(s, cap):
+        """cap * tanh(s / cap) (Gemma 2's soft-capping), tanh from one exponential of -2|x| (no overflow; Triton's
+        core has no tanh that the CPU interpreter runs too): 1 - e^-2|x| is exact in float32 for e^-2|x| >= 1/2, so
+        the capped score's absolute error stays near cap * 2^-24 (3e-6 at cap 50) for every s."""
+        x = s / cap
+        e = tl.exp(-2.0 * tl.abs(x))
+        y = (1.0 - e) / (1.0 + e)
+        return cap * tl.where(x < 0, -y, y)
+
+    @triton.jit
     def _attend_split(
         Q, K_NEW, V_NEW, COS, SIN, K, V, POS, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
         stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         stride_ks, stride_kh, stride_kt,
         stride_vs, stride_vh, stride_vt,
         stride_ob, stride_oh,
-        scale, window, split_len, splits,
+        scale, softcap, window, split_len, splits,
         HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
         ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr, ROTARY_DIM: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, ROTARY_DIM: tl.constexpr, CAP: tl.constexpr,
     ):
         """Program (b, kv head, split): the GROUP query heads of that kv head, rotated, over positions [split *
         split_len, min(split * split_len + split_len, pos[b] + 1)) of slot b, those past pos[b] - window only (a
@@ -119,7 +129,8 @@ if triton is not None:
         the running max, the sum of exponentials and the unnormalised output of its positions, and with MERGE the
         last program of (b, kv head) to finish merges the splits into the output (a counter per (b, kv head) in
         COUNTERS, zero before and after). IEEE: float32 products (no TF32); UPCAST: float32 products for 16-bit
-        inputs (the interpreter's tl.dot does not take bfloat16)."""
+        inputs (the interpreter's tl.dot does not take bfloat16). CAP: scores soft-capped by `softcap` after the
+        scale (Gemma 2)."""
         b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2^31 elements
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -168,7 +179,10 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(live[None, :], s * scale, float("-inf"))
+            s = s * scale
+            if CAP:
+                s = _soft_cap(s, softcap)
+            s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
@@ -185,6 +199,8 @@ if triton is not None:
         if owner:
             if pos < start + split_len:  # else a slot past the context bound: the new position is not attended
                 s = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1) * scale
+                if CAP:
+                    s = _soft_cap(s, softcap)
                 m_new = tl.maximum(m, s)
                 p = tl.exp(s - m_new)
                 alpha = tl.exp(m - m_new)
@@ -786,7 +802,7 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
 def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int,
                           splits: int = 0, merge_in_kernel: bool = True, window: int = 0,
-                          scale: float | None = None, rotary_dim: int = 0) -> torch.Tensor:
+                          scale: float | None = None, rotary_dim: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One decode step's attention, rotary embedding and cache write in one kernel.
 
     q: [B, H, D], k, v: [B, KVH, D], the new token's projections in the first B slots, not yet rotated (views of a
@@ -798,7 +814,7 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     window > 0: a sliding window, positions pos[b] - window + 1..pos[b] only (the splits before it read nothing; the
     cache keeps every position: its memory is the full slot's, its reads the window's). rotary_dim > 0: partial
     rotary, the first rotary_dim dimensions of each head rotated (cos, sin are 1 and 0 past them), the rest as they
-    are.
+    are. softcap > 0: scores soft-capped, softcap * tanh(score / softcap), after the scale (Gemma 2).
     length (>= 1) sizes the splits: positions from length rounded up to whole splits on are never read, so a slot
     with pos >= length (a finished one still in the decode batch, whose output is unused) gets attention over a
     prefix only (its new key and value are still written). splits: 0 picks the count (split_count).
@@ -833,10 +849,12 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
-        head_dim ** -0.5 if scale is None else scale, window if window > 0 else FULL_WINDOW, split_len, splits,
+        head_dim ** -0.5 if scale is None else scale, softcap or 1.0, window if window > 0 else FULL_WINDOW, split_len,
+        splits,
         HEADS=heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, _next_power_of_two(group)), HEAD_DIM=head_dim,
         ONE_SPLIT=splits == 1, MERGE=counters is not None, SPLIT_ROWS=_next_power_of_two(splits), BLOCK=BLOCK_T,
-        IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED, ROTARY_DIM=rotary_dim or head_dim, num_warps=ATTENTION_WARPS,
+        IEEE=ieee or INTERPRETED, UPCAST=INTERPRETED, ROTARY_DIM=rotary_dim or head_dim, CAP=softcap > 0,
+        num_warps=ATTENTION_WARPS,
         num_stages=ATTENTION_STAGES,
     )
     if splits > 1 and counters is None:
@@ -850,13 +868,13 @@ def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 @torch.library.custom_op("meshrl::decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int, window: int = 0,
-                     scale: float = 0.0, rotary_dim: int = 0) -> torch.Tensor:
+                     scale: float = 0.0, rotary_dim: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """decode_attention_impl as an operator torch.compile keeps whole (its graphs call the kernels as they are); it
-    writes the caches in place. scale 0: 1/sqrt(D); rotary_dim 0: the whole head."""
+    writes the caches in place. scale 0: 1/sqrt(D); rotary_dim 0: the whole head; softcap 0: no soft-capping."""
     return decode_attention_impl(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=window,
-                                 scale=scale or None, rotary_dim=rotary_dim)
+                                 scale=scale or None, rotary_dim=rotary_dim, softcap=softcap)
 
 
 @decode_attention.register_fake
-def _(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=0, scale=0.0, rotary_dim=0):
+def _(q, k, v, k_cache, v_cache, pos, cos, sin, length, window=0, scale=0.0, rotary_dim=0, softcap=0.0):
     return q.new_empty(q.shape)

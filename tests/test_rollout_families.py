@@ -1,9 +1,9 @@
 """Every family of rollout/families.py on the native slot engine, CPU, float32: a random-init model built from
 transformers' own config class, its norm weights perturbed (Gemma's start at 0, the others' at 1: a norm left at its
 init would hide a wrong offset or placement). Greedy tokens equal HF `generate`'s over 32+ tokens; sampled rows'
-engine log-probs equal the teacher-forced ones; windowed attention through the Triton kernel (interpreted on CPU)
-equals the PyTorch path; one train_ppo.py step on Qwen3 decodes natively; a model without a description falls back
-with one warning naming the slow path."""
+engine log-probs equal the teacher-forced ones; windowed and soft-capped attention through the Triton kernel
+(interpreted on CPU) equals the PyTorch path; one train_ppo.py step on Qwen3 decodes natively; a model without a
+description falls back with one warning naming the slow path."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from test_rollout_native import hf_greedy, responses, teacher_forced_logprobs
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
     MistralConfig,
@@ -55,6 +56,12 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}),
+    # sliding and global layers alternating; attention scores soft-capped at 2 with weights 10x the default init, so
+    # that scores reach ~10 and the cap bends them (it moves the log-probs by up to 0.7); final logits not capped
+    # (the sampler does not cap them: rollout/families.py)
+    "gemma2": lambda: Gemma2Config(**SHAPE, num_hidden_layers=4, head_dim=16, sliding_window=8,
+                                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                   final_logit_softcapping=None, initializer_range=0.2),
     # fused qkv and gate_up weights; rotary on half of each head (Phi-4-mini: 0.75)
     "phi3": lambda: Phi3Config(**SHAPE, num_hidden_layers=2, partial_rotary_factor=0.5),
 }
@@ -104,6 +111,10 @@ def test_the_description_reads_each_familys_layers():
     assert [s.window for s in gemma.specs] == [8, 8, 0, 8] and [s.rope for s in gemma.specs] == [1, 1, 0, 1]
     assert gemma.form.scale == 24 ** -0.5 and gemma.form.embed_scale == 8.0 and gemma.form.activation == "gelu_tanh"
     assert len(gemma.rope) == 2 and gemma.rope[0][1] == 1.0
+    gemma2 = read_weights(tiny_model("gemma2"))
+    assert [s.window for s in gemma2.specs] == [8, 0, 8, 0] and gemma2.form.attn_softcap == 2.0
+    assert gemma2.form.norm_offset == 1.0 and gemma2.layers[0].q_norm is None
+    assert gemma2.layers[0].attn_out_norm is not None and gemma2.layers[0].mlp_out_norm is not None
     smol = read_weights(tiny_model("smollm3"))
     assert [s.rope for s in smol.specs] == [0, 0, 0, 1] and not smol.rope[1][0].any()
     olmo = read_weights(tiny_model("olmo2"))
@@ -139,8 +150,9 @@ def test_a_fallback_warns_once_naming_the_slow_path(caplog):
     assert "\n" not in warnings[0]
 
 
-def slow_windowed_attention(q, k_cache, v_cache, pos, window, scale):
-    """q: [B, H, D]; caches [B, KVH, T, D] already holding the new key/value at pos: softmax over the window."""
+def slow_windowed_attention(q, k_cache, v_cache, pos, window, scale, softcap=0.0):
+    """q: [B, H, D]; caches [B, KVH, T, D] already holding the new key/value at pos: softmax over the window of the
+    scores, soft-capped (softcap * tanh(score / softcap)) where softcap > 0."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[1]
     for b in range(q.shape[0]):
@@ -148,15 +160,20 @@ def slow_windowed_attention(q, k_cache, v_cache, pos, window, scale):
         for h in range(q.shape[1]):
             keys = k_cache[b, h // group, lo: int(pos[b]) + 1].double()
             values = v_cache[b, h // group, lo: int(pos[b]) + 1].double()
-            weights = torch.softmax(keys @ q[b, h].double() * scale, dim=0)
+            scores = keys @ q[b, h].double() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            weights = torch.softmax(scores, dim=0)
             out[b, h] = (weights @ values).to(q.dtype)
     return out
 
 
 @pytest.mark.skipif(kernels.available(16, torch.device("cuda" if torch.cuda.is_available() else "cpu")) is not None,
                     reason="the Triton kernel cannot run here")
-@pytest.mark.parametrize("window, splits", [(8, 1), (8, 3), (100, 2), (0, 3)])
-def test_decode_attention_reads_only_the_window(window, splits):
+@pytest.mark.parametrize("window, splits, softcap", [(8, 1, 0.0), (8, 3, 0.0), (100, 2, 0.0), (0, 3, 0.0),
+                                                     (8, 3, 0.5), (0, 1, 0.5)])
+def test_decode_attention_reads_only_the_window(window, splits, softcap):
+    # softcap 0.5 against scores of up to ~5 (random q, k with D 16 at scale 0.3): the cap bends every score
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, length, dim = 3, 4, 2, 192, 16
@@ -167,19 +184,20 @@ def test_decode_attention_reads_only_the_window(window, splits):
     scale = 0.3
     got_caches = [t.clone().to(device) for t in (k_cache, v_cache)]
     got = kernels.decode_attention_impl(*(t.to(device) for t in (q, k, v)), *got_caches, pos.to(device),
-                                        cos.to(device), sin.to(device), length, splits, window=window, scale=scale)
+                                        cos.to(device), sin.to(device), length, splits, window=window, scale=scale,
+                                        softcap=softcap)
     rows = torch.arange(batch)
     k_cache[rows, :, pos], v_cache[rows, :, pos] = k, v
     torch.testing.assert_close(got_caches[0].cpu(), k_cache)
-    want = slow_windowed_attention(q, k_cache, v_cache, pos, window, scale)
+    want = slow_windowed_attention(q, k_cache, v_cache, pos, window, scale, softcap)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(kernels.available(16, torch.device("cuda" if torch.cuda.is_available() else "cpu")) is not None,
                     reason="the Triton kernel cannot run here")
-@pytest.mark.parametrize("name", ["mistral-window", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3", "gemma2", "phi3"])
 def test_windowed_families_decode_through_the_kernel_as_through_torch(name):
-    # the kernel's sliding window, query scale and partial rotary against the PyTorch path
+    # the kernel's sliding window, query scale, soft-capping and partial rotary against the PyTorch path
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model(name).to(device)
     params = SamplingParams(max_new_tokens=24, temperature=1.1)
