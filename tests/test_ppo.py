@@ -276,12 +276,12 @@ def test_estimators_and_filters_run(assets, tmp_path, algorithm):
 
 
 def test_rollout_batch_lays_out_prompt_and_response_per_row():
-    """train_ppo.rollout_batch against a row-by-row layout: ragged prompts, responses of every length up to the
+    """ppo.rollouts.rollout_batch against a row-by-row layout: ragged prompts, responses of every length up to the
     padded width (one of them empty), each row prompt + response, right-padded with zeros."""
     import torch
 
     from rollout.native import RolloutOutput
-    from train_ppo import rollout_batch
+    from ppo.rollouts import rollout_batch
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 9, (7,), generator=gen).tolist()
