@@ -236,11 +236,16 @@ def save_family_assets(root, name: str):
     # GRPO: no critic, as transformers has no token-classification head for Gemma 3 text or OLMo 2
     ("gemma3", 2, {"mode": "colocate", "tp": 2}, {"adv_estimator": "grpo"}),
     ("olmo2", 2, {"mode": "colocate"}, {"adv_estimator": "grpo"}),
-], ids=["qwen3-1-rank", "qwen3-fsdp2", "qwen3-tp2", "gemma3-tp2", "olmo2-fsdp2"])
+    ("olmo2", 2, {"mode": "colocate", "tp": 2}, {"adv_estimator": "grpo"}),
+    # the fused qkv/gate_up split in the actor, the critic (GAE) and the reference, and in the engine
+    ("phi3", 2, {"mode": "colocate", "tp": 2}, {}),
+    ("gemma2", 2, {"mode": "colocate", "tp": 2}, {}),
+], ids=["qwen3-1-rank", "qwen3-fsdp2", "qwen3-tp2", "gemma3-tp2", "olmo2-fsdp2", "olmo2-tp2", "phi3-tp2", "gemma2-tp2"])
 def test_one_ppo_step_decodes_natively(tmp_path, name, ranks, placement, algorithm):
     """train_ppo.py, one step: 1 process, 2 gloo ranks under FSDP2, 2 under TP=2 (per-head q/k norms replicated, each
-    rank norming its own heads; Gemma 3's sandwich norms and sliding layers too). The rollout takes the slot engine
-    (no fallback warning, gen_decode timed) and its log-probs are the actor's teacher-forced ones."""
+    rank norming its own heads; Gemma 3's sandwich norms and sliding layers too; OLMo 2's q/k norm over the split
+    projection, Phi-3's fused weights: parallel/tp.py; Gemma 2's soft-capped attention). The rollout takes the slot
+    engine (no fallback warning, gen_decode timed) and its log-probs are the actor's teacher-forced ones."""
     from test_ppo import write_config
 
     assets = save_family_assets(tmp_path, name)
