@@ -1,7 +1,8 @@
 """A compact forward for decoder-only transformers that reads the Hugging Face module's parameters in place.
 
-What differs between families (Llama, Qwen2/3, Mistral, OLMo 2, SmolLM3, Gemma 3: norm placement and arithmetic, q/k
-norms, activation, rotary table and attention window per layer, scalings, weight names) comes from the family's
+What differs between families (Llama, Qwen2/3, Mistral, OLMo 2, SmolLM3, Gemma 2/3, Phi-3: norm placement and
+arithmetic, q/k norms, activation, rotary table and attention window per layer, scalings, soft-capping, weight names,
+fused weights) comes from the family's
 description in rollout/families.py: read_weights turns a model into family-agnostic LayerWeights (a norm the family
 does not have is None), a Form (model-wide numerics) and a LayerSpec per layer, which is all these functions read.
 
@@ -9,7 +10,10 @@ The slot engine (rollout/slots.py) runs prefill and decode through these functio
 modules are never called, so FSDP2's hooks do not run either: the engine unshards once per rollout and reads the
 full tensors that FSDP2 swaps into the modules. Tensor-parallel parameters (DTensors from parallel/tp.py's plan) are
 read as their local shards: q/k/v and gate/up hold whole heads / rows of this rank, and the row-parallel o/down
-projections give partial sums that `reduce` adds up over the tp group, as RowwiseParallel does in training.
+projections give partial sums that `reduce` adds up over the tp group, as RowwiseParallel does in training. Two
+layouts need more: OLMo 2's q/k norm over the whole projection all-reduces each token's sum of squares
+(_projection_norm), and Phi-3's fused qkv/gate_up weights, stored split by plain rows, are gathered once per read and
+this rank's heads and rows copied out (_read).
 
 Numerics follow the HF modules step for step (norms in float32, rotary tables cast to the model dtype unless the
 family rotates in float32, residual sums in the model dtype), so greedy decoding in float32 matches HF `generate`
