@@ -29,11 +29,11 @@ from monitor import gather_metrics  # noqa: E402
 from parallel.distributed import init_distributed  # noqa: E402
 from parallel.layout import build_layout  # noqa: E402
 from parallel.tp import apply_tp  # noqa: E402
+from ppo.rollouts import rollout_batch  # noqa: E402
 from roles.actor import Actor  # noqa: E402
 from rollout.api import SamplingParams  # noqa: E402
 from tests.dist.report import run_worker, say  # noqa: E402
 from tests.dist.same_metrics import RESP, make_batch  # noqa: E402
-from train_ppo import rollout_batch  # noqa: E402
 
 FAMILIES = ("olmo2", "phi3")
 # Float32 with unit roundoff u = 2^-24 ~ 6e-8. TP=2 computes the same sums in another order: the row-parallel
