@@ -30,9 +30,9 @@ def leaf_keys(cls, prefix=""):
 
 
 def source_field(cls, name):
-    """(type, default, comment) of `name: type = default  # comment` as written in config.py."""
+    """(type, default, comment) of `name: type = default  # comment` as written in config/schema.py."""
     m = re.search(rf"^\s+{name}: (\S+) = (\S+)\s+#\s*(.+)$", inspect.getsource(cls), re.M)
-    assert m, f"{cls.__name__}.{name} has no trailing comment in config.py"
+    assert m, f"{cls.__name__}.{name} has no trailing comment in config/schema.py"
     return m.groups()
 
 

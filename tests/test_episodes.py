@@ -6,6 +6,7 @@ reward is an environment's."""
 from __future__ import annotations
 
 import json
+import os
 import string
 import time
 
@@ -128,7 +129,7 @@ def test_environment_pool_names_a_factory_that_cannot_load_or_fails():
 
 
 def test_the_readmes_environment_runs_in_a_pool(tmp_path):
-    with open(C.__file__.replace("config.py", "docs/episodes_and_tools.md")) as f:
+    with open(os.path.join(os.path.dirname(os.path.dirname(C.__file__)), "docs", "episodes_and_tools.md")) as f:
         code = "# my_env.py" + f.read().split("```python\n# my_env.py")[1].split("```")[0]
     (tmp_path / "my_env.py").write_text(code)
     with EnvironmentPool("environment", [f"{tmp_path / 'my_env.py'}:make_env"], num_workers=1) as pool:

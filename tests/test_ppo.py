@@ -280,8 +280,8 @@ def test_rollout_batch_lays_out_prompt_and_response_per_row():
     padded width (one of them empty), each row prompt + response, right-padded with zeros."""
     import torch
 
-    from rollout.native import RolloutOutput
     from ppo.rollouts import rollout_batch
+    from rollout.native import RolloutOutput
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 9, (7,), generator=gen).tolist()
