@@ -3,6 +3,8 @@
     python bench/rollout.py                       # Qwen2.5-0.5B and 1.5B shapes, 1 GPU
     python bench/rollout.py --models qwen2.5-0.5b --hf-prompts 128
     python bench/rollout.py --models qwen2.5-0.5b qwen3-0.6b --hf-prompts 64 --no-spread   # a family beside Qwen2.5
+    python bench/rollout.py --models qwen2.5-1.5b qwen3-1.7b gemma-3-1b olmo2-1b qwen2.5-3b smollm3-3b phi-4-mini \
+        qwen2.5-7b mistral-7b --hf-prompts 64 --no-spread                 # the families at their real shapes
     python bench/rollout.py --models qwen2.5-0.5b --top-p 0.9 --kernels torch triton   # top-p: sort against kernel
     python bench/rollout.py --models qwen2.5-0.5b --prompts 1024 --max-num-seqs 256 --hf-prompts 0   # 4x the slots
     torchrun --nproc_per_node 2 bench/rollout.py --layout tp --hf-prompts 0   # one engine over 2 GPUs (TP=2)
@@ -31,6 +33,7 @@ The last lines are a markdown table for bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -86,12 +89,17 @@ def timed(fn):
     return result, time.perf_counter() - start, peak
 
 
+def kv_bytes_per_token(config) -> int:
+    """K and V of one token over every layer, bf16 (a sliding-window layer's too: at the bench's lengths, shorter
+    than any window, every layer reads the whole context)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+
+
 def floor_ms(model, batch: int, mean_context: float) -> float:
     """The memory-bound floor of one decode step: every weight read once plus the live KV cache, at copy bandwidth."""
-    config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    kv_per_token = kv_bytes_per_token(model.config)
     return (weight_bytes + batch * mean_context * kv_per_token) / COPY_BANDWIDTH * 1e3
 
 
@@ -177,6 +185,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
             tokens=tokens,
             ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s, step_ms=step_ms,
             floor_ms=floor_ms(model, min(args.prompts, stats["slots"]), mean_context) if world == 1 else None,
+            kv_kib=kv_bytes_per_token(model.config) / 1024,
+            params_b=sum(p.numel() for p in model.parameters()) / 1e9,
             graphs=stats["graphs"]))
         if args.spread:
             spread = SamplingParams(max_new_tokens=high, temperature=1.0, **cut)
@@ -247,7 +257,7 @@ def profile_prefill(engine: NativeEngine, prompts: list[list[int]], n: int) -> N
 
 def table(rows: list[dict]) -> str:
     head = ("| model | run | kernels | tokens | ours tok/s | HF generate tok/s | ratio | ours peak GiB | HF peak GiB "
-            "| prefill s | ms/decode step | floor ms/step | graphs |")
+            "| prefill s | ms/decode step | floor ms/step | step / floor | params B | KV KiB/token | graphs |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         hf, floor = r.get("hf_tps"), r.get("floor_ms")
@@ -259,6 +269,9 @@ def table(rows: list[dict]) -> str:
             f"{r['hf_peak_gib']:.2f}" if hf else "-",
             f"{r['prefill_s']:.3f}", f"{r['step_ms']:.2f}",
             f"{floor:.2f}" if floor else "-",
+            f"{r['step_ms'] / floor:.2f}x" if floor else "-",
+            f"{r['params_b']:.2f}" if r.get("params_b") else "-",
+            f"{r['kv_kib']:.0f}" if r.get("kv_kib") else "-",
             str(r["graphs"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -317,7 +330,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {name}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = []
     for model in args.models:
-        rows += bench_model(model, args, device)
+        try:
+            rows += bench_model(model, args, device)
+        except (Exception, SystemExit) as err:  # one model's failure (a fallback, an error) leaves the others' rows
+            if len(args.models) == 1:
+                raise
+            print(f"[{model}] FAILED: {type(err).__name__}: {err}", flush=True)
+            import traceback
+
+            traceback.print_exc()
+        gc.collect()  # the last model's engine and weights (reference cycles) before the next model's peak
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model's cache blocks, before the next model's peak is measured
     print(table(rows))

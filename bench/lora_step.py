@@ -1,0 +1,352 @@
+"""LoRA GRPO step on one GPU (issue 39): meshrl with `actor.lora` beside TRL's GRPOTrainer with the same peft LoRA,
+full fine-tuning beside LoRA (peak memory), and the cost of the merge the native engine decodes with.
+
+    python bench/lora_step.py --models qwen2.5-7b --systems meshrl-lora trl-lora -- actor.micro_batch_tokens=8192
+    python bench/lora_step.py --models qwen2.5-0.5b qwen2.5-1.5b --systems meshrl-full meshrl-lora
+    python bench/lora_step.py --merge qwen2.5-7b            # the merge per rollout, timed alone
+    python bench/lora_step.py --models qwen2.5-7b --plan    # the planner's figures for the same runs (CPU, no weights)
+
+The work is bench/ppo_step.py's (8 prompts x 8 samples, 128 prompt tokens, 256 new tokens, fixed lengths, beta 0,
+one optimizer step per rollout, random bf16 weights from configs/models/<name>.json); its functions run meshrl
+(train_ppo.py in its own process) and build the prompts. The model folder is written from weights made on the GPU
+(a 7B model's random init on the CPU takes minutes). LoRA: rank --rank, alpha 2 x rank, dropout 0, every linear
+layer of the decoder blocks (meshrl's `all-linear`, peft's "all-linear"), in both systems.
+- meshrl-full / meshrl-lora: the whole model trains / actor.lora.rank=--rank; actor.micro_batch_tokens as
+  ppo_step.py's default (the whole step in one forward) unless a key=value override says otherwise. Peak GiB is
+  torch.cuda.max_memory_allocated over the run (perf/max_memory_allocated_gb).
+- trl-lora: TRL's GRPOTrainer with peft_config=LoraConfig(...), generation through HF `generate` (use_vllm=False),
+  TRL's defaults otherwise (gradient checkpointing on, per_device_train_batch_size 64 = the step in one batch);
+  peak GiB = torch.cuda.max_memory_allocated at the end of training.
+- --merge NAME: the model in float32 on the GPU, peft LoRA applied by roles/lora.apply_lora (base cast to bf16),
+  FSDP2 on one rank as parallel/fsdp.shard_model does it; then, timed with CUDA syncs: the unshard + reshard alone
+  (what a rollout without LoRA pays), and `Adapters.merged()` entered and left (unshard, B @ A added in float32 into
+  every adapted weight, reshard): the difference is the merge's cost per rollout.
+The last lines are markdown tables for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _load_ppo_step():
+    """bench/ppo_step.py as a module (bench/ is no package, and bench/rollout.py would shadow the rollout package if
+    bench/ were on sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ppo_step", ROOT / "bench" / "ppo_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ps = _load_ppo_step()
+
+STEP_TOKENS = ps.PROMPTS * ps.SAMPLES * (ps.PROMPT_LEN + ps.NEW_TOKENS)
+
+
+def config_path(name: str) -> Path:
+    return Path(name) if name.endswith(".json") else ROOT / "configs" / "models" / f"{name}.json"
+
+
+def build_assets(name: str, workdir: Path, device: str) -> Path:
+    """ppo_step.build_assets' folder (model, word-level tokenizer, prompts, reward module), the weights made on
+    `device` (random init on a GPU: seconds at 7B)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    path = config_path(name)
+    model_dir = workdir / f"model_{path.stem}"
+    if not (model_dir / "config.json").exists():
+        began = time.time()
+        config = AutoConfig.for_model(**json.loads(path.read_text()))
+        vocab = config.vocab_size
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+        model.config.eos_token_id, model.config.pad_token_id = 1, 0
+        model.save_pretrained(model_dir)
+        del model
+        tok = Tokenizer(models.WordLevel({ps.word(i): i for i in range(vocab)}, unk_token=ps.word(0)))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=ps.word(1), pad_token=ps.word(0),
+                                       unk_token=ps.word(0))
+        fast.save_pretrained(ps.tokenizer_dir(model_dir))
+        fast.save_pretrained(model_dir)
+        print(f"[{name}] model folder written in {time.time() - began:.0f} s", flush=True)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    data = workdir / f"prompts_{vocab}.jsonl"
+    if not data.exists():
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(2, vocab, (64, ps.PROMPT_LEN), generator=gen).tolist()
+        data.write_text("".join(json.dumps({"prompt": " ".join(ps.word(i) for i in row), "ground_truth": ""}) + "\n"
+                                for row in ids))
+    (workdir / "bench_reward.py").write_text(ps.REWARD_MODULE)
+    return model_dir
+
+
+# ------------------------------------------------------------------------------------------------- TRL + peft
+def trl_worker(spec: dict) -> None:
+    """One TRL GRPOTrainer run with a peft LoRA in this process; writes step times and peak memory to spec["out"]."""
+    t0 = time.time()
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29518")):
+        os.environ.setdefault(key, value)
+    sys.path.insert(0, spec["workdir"])
+    import bench_reward
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    times: list[float] = []
+    first: list[float] = []
+    cuda = torch.cuda.is_available()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.began = time.perf_counter()
+            if not first:
+                first.append(time.time() - t0)
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            times.append(time.perf_counter() - self.began)
+            print(f"[trl-lora] step {len(times)}: {times[-1]:.2f} s, peak "
+                  f"{torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.2f} GiB", flush=True)
+
+    args = GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl_lora_out"), per_device_train_batch_size=ps.PROMPTS * ps.SAMPLES,
+        num_generations=ps.SAMPLES, gradient_accumulation_steps=1, max_completion_length=ps.NEW_TOKENS,
+        temperature=1.0, beta=0.0, learning_rate=1e-6, bf16=cuda, use_cpu=not cuda, max_steps=spec["steps"],
+        logging_steps=1, report_to=[], save_strategy="no", use_vllm=False, dataloader_num_workers=0, seed=0,
+    )
+    rank = spec["rank"]
+    peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
+                             task_type="CAUSAL_LM", bias="none")
+    data = load_dataset("json", data_files=spec["data"], split="train")
+    tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=bench_reward.trl_reward, args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[Clock()], peft_config=peft_config)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    Path(spec["out"]).write_text(json.dumps({
+        "steps": times, "start_s": first[0] if first else None,
+        "response_len": statistics.mean(lengths) if lengths else None,
+        "memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "trainable": trainable,
+        "gradient_checkpointing": args.gradient_checkpointing}))
+
+
+def run_trl(model_dir: Path, workdir: Path, steps: int, rank: int) -> dict:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    out = workdir / f"trl_lora_{model_dir.name}.json"
+    out.unlink(missing_ok=True)
+    spec = {"workdir": str(workdir), "model": str(model_dir), "tokenizer": str(ps.tokenizer_dir(model_dir)),
+            "data": str(workdir / f"prompts_{vocab}.jsonl"), "steps": steps, "rank": rank, "out": str(out)}
+    began = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
+                          stdout=None, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    result = json.loads(out.read_text())
+    result["total_s"] = time.time() - began
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- the merge
+def time_merge(name: str, rank: int, repeats: int = 5) -> dict:
+    """Seconds per rollout of the unshard + reshard alone and of Adapters.merged() entered and left, on one rank
+    with FSDP2 as the actor has it (parallel/fsdp.shard_model's layout, no compile)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from config import LoraConfig
+    from parallel.tp import decoder_layers
+    from roles.lora import apply_lora
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29519")):
+        os.environ.setdefault(key, value)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    config = AutoConfig.for_model(**json.loads(config_path(name).read_text()))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    adapters = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank), "bfloat16")
+    model = adapters.model
+    for layer in adapters.lora_layers():  # peft starts B at zero: a merge of zeros would hide nothing, but be fair
+        for b in layer.lora_B.values():
+            torch.nn.init.normal_(b.weight, std=0.02)
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    adapted = len(adapters.lora_layers())
+    lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def gather_only():
+        for handle in [m.unshard(async_op=True) for m in fsdp]:
+            handle.wait()
+        sync()
+        for m in fsdp:
+            m.reshard()
+
+    def merge():
+        with adapters.merged(reshard_after_forward=True):
+            sync()
+
+    out = {"model": name, "rank": rank, "adapted_layers": adapted, "lora_params": lora_params}
+    for label, fn in (("gather_s", gather_only), ("merged_s", merge), ("gather_s_again", gather_only)):
+        fn()  # warm-up
+        sync()
+        runs = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fn()
+            sync()
+            runs.append(time.perf_counter() - began)
+        out[label] = statistics.median(runs)
+    out["merge_s"] = out["merged_s"] - min(out["gather_s"], out["gather_s_again"])
+    if cuda:
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(out), flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the planner
+def plan(name: str, lora_rank: int, extra: list[str]) -> str:
+    """The planner's peak line for the meshrl run of this bench (train_ppo.py --plan, the same overrides)."""
+    cfg = Path("/tmp/lora_step_plan.yaml")
+    cfg.write_text("reward:\n  functions:\n    - spec: bench_reward:meshrl_reward\n")
+    overrides = [f"model.path={config_path(name)}", "data.train_path=/tmp/none.jsonl", f"data.batch_size={ps.PROMPTS}",
+                 f"data.max_prompt_len={ps.PROMPT_LEN}", f"rollout.n={ps.SAMPLES}",
+                 f"rollout.max_new_tokens={ps.NEW_TOKENS}", "algorithm.adv_estimator=grpo",
+                 "algorithm.kl.in_reward=false", "algorithm.kl.in_loss=false", "actor.mini_batch_size=0",
+                 f"actor.micro_batch_tokens={STEP_TOKENS}"]
+    if lora_rank:
+        overrides += [f"actor.lora.rank={lora_rank}", f"actor.lora.alpha={2 * lora_rank}"]
+    mine = {e.split("=", 1)[0] for e in extra}
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in mine] + extra
+    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--config", str(cfg), "--plan",
+                           "--gpu-memory", "139.8", *overrides], cwd=ROOT, capture_output=True, text=True)
+    lines = [x.strip() for x in proc.stdout.splitlines() if x.strip().startswith("peak ")]
+    return lines[0] if lines else f"(planner exit {proc.returncode}: {proc.stderr[-300:]})"
+
+
+# ------------------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-7b"])
+    ap.add_argument("--systems", nargs="+", default=["meshrl-lora", "trl-lora"],
+                    choices=["meshrl-full", "meshrl-lora", "trl-lora"])
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--trl-steps", type=int, default=5)
+    ap.add_argument("--workdir", default="/tmp/lora_step")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run with a tiny model")
+    ap.add_argument("--merge", nargs="*", default=None, metavar="NAME", help="time the merge on these models")
+    ap.add_argument("--plan", action="store_true", help="print the planner's peaks for the runs and exit")
+    ap.add_argument("--json", default=None, help="also write every result here")
+    ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("extra", nargs="*", help="key=value overrides for meshrl's runs (after --)")
+    args = ap.parse_args()
+    if args.trl_worker:
+        trl_worker(json.loads(args.trl_worker))
+        return
+    if args.plan:
+        for model in args.models:
+            for system in args.systems:
+                if system.startswith("meshrl"):
+                    rank = args.rank if system == "meshrl-lora" else 0
+                    print(f"| {model} | {system} | {' '.join(args.extra) or '-'} | {plan(model, rank, args.extra)} |")
+        return
+    if args.merge is not None:
+        rows = [time_merge(m, args.rank) for m in args.merge]
+        print("| model | rank | adapted layers | LoRA params | unshard + reshard s | merged() s | merge s |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['model']} | {r['rank']} | {r['adapted_layers']} | {r['lora_params'] / 1e6:.1f}M | "
+                  f"{min(r['gather_s'], r['gather_s_again']):.3f} | {r['merged_s']:.3f} | {r['merge_s']:.3f} |")
+        return
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for model in args.models:
+        model_dir = build_assets(model, workdir, args.device)
+        params = ps.param_count(model_dir)
+        for system in args.systems:
+            print(f"== {system} {model}", flush=True)
+            if system.startswith("meshrl"):
+                extra = [f"actor.micro_batch_tokens={STEP_TOKENS}"]
+                if system == "meshrl-lora":
+                    extra += [f"actor.lora.rank={args.rank}", f"actor.lora.alpha={2 * args.rank}"]
+                mine = {e.split("=", 1)[0] for e in args.extra}
+                extra = [e for e in extra if e.split("=", 1)[0] not in mine] + args.extra
+                r = ps.run_meshrl(model_dir, workdir, "fixed", args.steps, system, extra, None, args.device)
+                r["overrides"] = extra
+            else:
+                r = run_trl(model_dir, workdir, args.trl_steps, args.rank)
+            r.update(system=system, model=model, params=params)
+            print(r.get("error") or json.dumps({k: v for k, v in r.items() if k not in ("pg_loss",)}), flush=True)
+            results.append(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    report(results)
+
+
+def report(results: list[dict]) -> None:
+    print("| model | system | overrides | steady s/step | first 3 s | start s | gen s | update s | peak GiB "
+          "(max_memory_allocated) | vs TRL+LoRA |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    peers = {r["model"]: ps.steady(r["steps"]) for r in results if r["system"] == "trl-lora" and "error" not in r}
+    for r in results:
+        over = " ".join(o for o in r.get("overrides", []) if not o.startswith("actor.lora.alpha")) or "-"
+        if "error" in r:  # the error's own line (the last stderr lines are often exit warnings)
+            lines = [x for x in r["error"].splitlines() if "Error" in x] or r["error"].splitlines()[-1:]
+            print(f"| {r['model']} | {r['system']} | {over} | failed: {lines[-1][-160:] if lines else '?'} "
+                  "| | | | | | |")
+            continue
+        s = ps.steady(r["steps"])
+        peer = peers.get(r["model"])
+        gen = f"{ps.steady(r['gen']):.3f}" if r.get("gen") else "-"
+        upd = f"{ps.steady(r['update_actor']):.3f}" if r.get("update_actor") else "-"
+        start = f"{r['start_s']:.0f}" if r.get("start_s") else "-"
+        mem = f"{r['memory_gb']:.2f}" if r.get("memory_gb") is not None else "-"
+        print(f"| {r['model']} | {r['system']} | {over} | {s:.3f} | {sum(r['steps'][:3]):.1f} | {start} | {gen} | "
+              f"{upd} | {mem} | {f'{peer / s:.2f}x' if peer else '-'} |")
+
+
+if __name__ == "__main__":
+    main()
