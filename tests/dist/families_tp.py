@@ -5,7 +5,9 @@ parallelism, 2 gloo processes; launched by tests/test_families_tp.py with a scra
 - training (parallel/tp.py): the TP=2 model's logits and every parameter's gradient equal the 1-process model's;
 - one PPO update of the actor logs the same metrics under TP=2 as on 1 rank;
 - the native engine under TP=2 (rollout/decoder.py reading the split weights): greedy tokens equal HF `generate`'s
-  on the unsplit model, and sampled rows' log-probs equal the TP=2 trainer's teacher-forced ones."""
+  on the unsplit model, and sampled rows' log-probs equal the TP=2 trainer's teacher-forced ones;
+- Phi-3 with LoRA on every projection (a fused projection's lora_B split and computed as its base): the TP=2
+  trainer's log-probs equal 1 rank's, and the engine decoding the merged weights under TP=2 gives the trainer's."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests' own modules, as pytest sees them
 
@@ -122,6 +125,33 @@ def engine(name: str, path: str, tp) -> None:
         f"log-probs = the trainer's (gap {gap:.1e})")
 
 
+def lora(path: str, solo, tp) -> None:
+    cfg = C.load_config(None, ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.fsdp.param_dtype=float32"])
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0, n=2, stop_token_ids=[])
+
+    def actor(pool):
+        torch.manual_seed(1)  # lora_A's init, the same on every rank and in both layouts
+        a = Actor(path, cfg.actor, pool, torch.device("cpu"), PAD, 10, comm_cfg=cfg.comm, rollout_cfg=cfg.rollout)
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # non-zero B matrices (peft starts them at zero: the adapters would change nothing)
+            for layer in a.lora.lora_layers():
+                w = layer.lora_B["default"].weight
+                full = torch.randn(w.shape, generator=gen) * 0.5
+                w.copy_(distribute_tensor(full, w.device_mesh, w.placements) if hasattr(w, "device_mesh") else full)
+        return a
+
+    split = actor(tp.pools[0])
+    out = split.generate(PROMPTS, params, torch.Generator().manual_seed(0))
+    batch = rollout_batch(out, list(range(len(out.prompt_ids))), torch.device("cpu"))
+    m = batch["response_mask"].bool()
+    trainer = split.log_probs(batch, 1.0)
+    gap = float((trainer - batch["rollout_logprobs"]).abs()[m].max())
+    assert gap < 1e-4, f"phi3 LoRA: TP=2 engine vs trainer log-probs differ by {gap}"  # as in engine()
+    one = actor(solo.pools[0]).log_probs(batch, 1.0) if solo.pools[0].has(dist.get_rank()) else trainer
+    torch.testing.assert_close(trainer, one, rtol=0, atol=1e-4, msg="phi3 LoRA: TP=2 trainer vs 1 rank")
+    say(f"rank {dist.get_rank()} PASS phi3 LoRA under TP=2: engine = trainer (gap {gap:.1e}) = 1 rank's trainer")
+
+
 def main() -> None:
     folder = sys.argv[1]
     info = init_distributed("gloo", timeout_s=120, device="cpu")
@@ -139,6 +169,7 @@ def main() -> None:
         logits_and_gradients(name, mesh)
         ppo_update(name, f"{folder}/{name}", solo, tp)
         engine(name, f"{folder}/{name}", tp)
+    lora(f"{folder}/phi3", solo, tp)
 
 
 if __name__ == "__main__":
