@@ -125,10 +125,13 @@ def _windows_everywhere(config) -> list[int]:
     return [getattr(config, "sliding_window", None) or 0] * config.num_hidden_layers
 
 
-def _no_final_softcapping(config) -> str | None:
+def _gemma_check(config) -> str | None:
+    """Gemma 2/3 settings the compact forward does not compute."""
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is not None:
         return f"final_logit_softcapping={cap} (the slot engine's sampler does not cap the logits)"
+    if getattr(config, "use_bidirectional_attention", None):
+        return "use_bidirectional_attention=True (the compact forward attends causally)"
     return None
 
 
@@ -169,12 +172,12 @@ FAMILIES: dict[str, Family] = {
         weights={**GEMMA_WEIGHTS, **QK_NORMS},
         norm_offset=1.0, norm_float32=True, qk_norm="head", embed_scale=True,
         attn_scale=lambda config: config.query_pre_attn_scalar ** -0.5,
-        rotary=_rotary_per_layer_type, check=_no_final_softcapping,
+        rotary=_rotary_per_layer_type, check=_gemma_check,
     ),
     # Gemma 3 without q/k norms, one rotary table; attention scores soft-capped (Form.attn_softcap, from the config)
     "gemma2": Family(
         weights=GEMMA_WEIGHTS, norm_offset=1.0, norm_float32=True, embed_scale=True,
-        attn_scale=lambda config: config.query_pre_attn_scalar ** -0.5, check=_no_final_softcapping,
+        attn_scale=lambda config: config.query_pre_attn_scalar ** -0.5, check=_gemma_check,
     ),
     # q/k/v and gate/up fused in the checkpoint (read as views of their rows); partial rotary (Phi-4-mini: 0.75 of
     # each head) comes with the rotary module's table, narrower than the head

@@ -134,6 +134,10 @@ def test_unsupported_configs_fall_back_with_the_reason():
     capped = AutoModelForCausalLM.from_config(Gemma3TextConfig(**SHAPE, num_hidden_layers=1, head_dim=16,
                                                                final_logit_softcapping=30.0)).eval()
     assert "final_logit_softcapping" in NativeEngine(capped, PAD).fallback_reason
+    both_ways = AutoModelForCausalLM.from_config(Gemma2Config(**SHAPE, num_hidden_layers=1, head_dim=16,
+                                                              final_logit_softcapping=None,
+                                                              use_bidirectional_attention=True)).eval()
+    assert "use_bidirectional_attention" in NativeEngine(both_ways, PAD).fallback_reason
     dynamic = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPE, num_hidden_layers=1, rope_parameters={
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})).eval()
     assert "dynamic" in NativeEngine(dynamic, PAD).fallback_reason
