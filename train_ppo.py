@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_libraries()
     rank, world, _ = env_world()
-    if "--plan" in argv:  # the memory and placement planner: a dry run, no process group, no weights (plan.py)
+    if "--plan" in argv:  # the memory and placement planner: a dry run, no process group, no weights (plan/)
         import plan
 
         return plan.main(argv, world, rank)

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 # every split projection of the families, by its path under a decoder block (a block has some of them); how each
-# weight is split at rest, which plan.py's memory figures read
+# weight is split at rest, which plan/'s memory figures read
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
     "self_attn.k_proj": ColwiseParallel,

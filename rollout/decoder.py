@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from rollout.families import ACTIVATIONS, Fused, family_of, parameter, unsupported_reason
 from rollout.kernels import decode_attention
 
-__all__ = ["unsupported_reason"]  # where plan.py and native.py have always read it
+__all__ = ["unsupported_reason"]  # where plan/ and native.py have always read it
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 

@@ -58,7 +58,7 @@ ADMIT_SHARE = 8  # with sequences decoding, admission waits until this share (1/
 CONTEXT_BUCKET = 128  # attention reads the cache up to a multiple of this past the longest live sequence
 # A prefill of at most this many padded prompt tokens (prompts x width, after padding to the bucket) replays a CUDA
 # graph: its ~23 kernels per layer take ~10-20 ms to launch, several times their device time (0.5B, 1-2k tokens).
-# Its activations stay in the graphs' memory pool while the run is kept (plan.py's bound: 45 KB per token at 0.5B,
+# Its activations stay in the graphs' memory pool while the run is kept (plan/'s bound: 45 KB per token at 0.5B,
 # 80 KB at 1.5B in bf16).
 PREFILL_GRAPH_TOKENS = 4096
 PREFILL_WIDTH_BUCKET = 64  # a graphed prefill's prompts are right-padded to a multiple of this

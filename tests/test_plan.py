@@ -1,4 +1,4 @@
-"""The memory and placement planner (plan.py, `train_ppo.py --plan`) against what the code really allocates:
+"""The memory and placement planner (plan/, `train_ppo.py --plan`) against what the code really allocates:
 
 - parameter, gradient and optimizer bytes equal, to the byte, what roles/modeling's loaders and make_optimizer hold
   after one optimizer step on the CPU, and (torchrun, 2 gloo ranks) what one rank holds under FSDP2 and under

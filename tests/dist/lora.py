@@ -20,6 +20,7 @@ import torch
 import config as C
 from monitor import gather_metrics
 from parallel.layout import build_layout
+from ppo.rollouts import rollout_batch
 from roles.actor import Actor
 from roles.critic import Critic
 from roles.lora import BaseReference
@@ -27,7 +28,6 @@ from roles.reference import Reference
 from rollout.api import SamplingParams
 from tests.dist.report import run_worker, say
 from tests.dist.same_metrics import RESP, close, make_batch, one_and_two_ranks
-from train_ppo import rollout_batch
 
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "critic.lora.rank=4", "critic.lora.alpha=8",
         "critic.lora.target_modules=[q_proj,v_proj]"]
