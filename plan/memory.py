@@ -52,8 +52,9 @@ def activation_bytes(m: ModelShape, tokens: int, width: int, tp: int, b: int) ->
 
 
 def row_width(cfg: C.Config) -> int:
-    """The widest micro-batch row: max_prompt_len + max_new_tokens rounded up to 16 (roles/modeling.WIDTH_MULTIPLE)."""
-    return _ceil_div(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, 16) * 16
+    """The widest micro-batch row: max_prompt_len + the longest response (max_new_tokens, or a multi-turn episode's
+    budget) rounded up to 16 (roles/modeling.WIDTH_MULTIPLE)."""
+    return _ceil_div(cfg.data.max_prompt_len + C.response_budget(cfg), 16) * 16
 
 
 def micro_batch_tokens(cfg: C.Config, budget: int, rows: int) -> int:
@@ -173,7 +174,8 @@ def engine_plan(cfg: C.Config, m: ModelShape, pool: C.PoolConfig, resident: int,
     a pool without the actor holds a whole copy of its weights (a replica, tp 1) or its vLLM engine."""
     r = cfg.rollout
     tp = pool.tp if "actor" in pool.roles else 1
-    slot_len = _ceil_div(cfg.data.max_prompt_len + r.max_new_tokens, 8) * 8
+    # a slot holds a whole episode under multi-turn (its later turns continue the history the slot keeps)
+    slot_len = _ceil_div(cfg.data.max_prompt_len + C.response_budget(cfg), 8) * 8
     seqs = sequences_per_rank(cfg, engines or pool.size // tp)
     if r.engine == "vllm":
         share, weights = int(r.gpu_memory_utilization * gpu), 2 * m.local_numel(r.vllm_tp, 1)

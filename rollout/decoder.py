@@ -540,6 +540,8 @@ def extend_layer(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     starts: torch.Tensor,
+    rest: torch.Tensor,
+    length: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
     form: Form,
@@ -547,32 +549,40 @@ def extend_layer(
     head_dim: int,
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block over P right-padded continuations of width L: row i's tokens take positions starts[i]..starts[i]+L-1
-    of slot slots[i], whose cache already holds the keys/values of the positions before starts[i] (an earlier
-    call's sequence that this row's prompt continues), so only the new tokens are computed.
+    """One block over P right-padded continuations of width L: row i's rest[i] tokens take positions
+    starts[i]..starts[i]+rest[i]-1 of slot slots[i], whose cache already holds the keys/values of the positions
+    before starts[i] (an earlier call's sequence that this row's prompt continues), so only the new tokens are
+    computed.
 
-    hidden, residual: [P, L, hidden]. slots, starts: [P] long. cos, sin: this layer's whole rotary table [T, D] (T the
-    slot length). The padding's positions are clamped to the slot's last one, which no prompt token takes (a slot
-    has room for at least one new token after its prompt) and decode overwrites before any mask admits it.
-    Attention reads the slot's cache up to the longest row's end: each query sees the keys at or before its position
-    (and within spec.window). Returns (block output, residual), [P, L, hidden] each.
+    hidden, residual: [P, L, hidden]. slots, starts, rest: [P] long. length: the cache positions attention reads,
+    max(starts + rest) (from the host: no sync here). cos, sin: this layer's whole rotary table [T, D]. A padding
+    position stands where its row's last token does: it attends as that token, and nothing of it is written.
+    Attention reads each row's slot up to `length`: a query sees the keys at or before its position (and within
+    spec.window). The query heads of each key/value head are stacked as rows of one block, so SDPA's
+    memory-efficient kernel takes the mask (it refuses enable_gqa). Returns (block output, residual), [P, L, hidden].
     """
     residual = hidden + residual
     x = norm(residual, w.input_norm, form)
     prompts, width = x.shape[:2]
-    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form, reduce))
+    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form))
     q, k = _heads_norm(q, k, w, form)
-    positions = starts[:, None] + torch.arange(width, device=x.device)  # [P, L]
-    stored = positions.clamp(max=k_cache.shape[2] - 1)
-    c, s = cos[stored][:, :, None], sin[stored][:, :, None]  # [P, L, 1, D]
+    steps = torch.arange(width, device=x.device)
+    real = steps[None, :] < rest[:, None]  # [P, L]
+    positions = starts[:, None] + torch.minimum(steps[None, :], rest[:, None] - 1)
+    c, s = cos[positions][:, :, None], sin[positions][:, :, None]  # [P, L, 1, D]
     q, k = _rotate(q, c, s, form.rotary_dim), _rotate(k, c, s, form.rotary_dim)
-    k_cache[slots[:, None], :, stored] = k  # [P, L, kv_heads, D] into [slot, :, position]
-    v_cache[slots[:, None], :, stored] = v
-    length = int(stored.max()) + 1
+    rows, at = slots[:, None].expand(-1, width)[real], positions[real]
+    k_cache[rows, :, at] = k[real]  # [N, kv_heads, D] into [slot, :, position]
+    v_cache[rows, :, at] = v[real]
     keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]  # [P, kv_heads, T, D]
-    offset = positions[:, :, None] - torch.arange(length, device=x.device)[None, None, :]  # query - key
-    visible = offset >= 0
+    key_pos = torch.arange(length, device=x.device)
+    visible = key_pos[None, None, :] <= positions[:, :, None]  # [P, L, T]
     if spec.window:
-        visible &= offset < spec.window
-    out = _attend(q.transpose(1, 2), keys, values, form, visible[:, None])
-    return _finish_block(out.transpose(1, 2).reshape(prompts, width, -1), residual, w, form, reduce)
+        visible &= key_pos[None, None, :] > positions[:, :, None] - spec.window
+    kv_heads = keys.shape[1]
+    group = q.shape[2] // kv_heads
+    stacked = q.permute(0, 2, 1, 3).reshape(prompts, kv_heads, group * width, head_dim)
+    mask = visible[:, None, None].expand(prompts, 1, group, width, length).reshape(prompts, 1, group * width, length)
+    out = _attend(stacked, keys, values, form, mask, gqa=False)  # [P, kv_heads, group * L, D]
+    out = out.reshape(prompts, kv_heads * group, width, head_dim).transpose(1, 2)
+    return _finish_block(out.reshape(prompts, width, -1), residual, w, form, reduce)

@@ -128,6 +128,8 @@ class NativeEngine:
         force a spread of lengths); params.max_new_tokens for every prompt when None.
         """
         limits = self._validate(prompts, params, max_new_tokens)
+        # this call's alone (a call without prompts has no engine counters); cleared in place: a replica shares it
+        self.stats.clear()
         model = self.model
         was_training = model.training
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -23,6 +23,7 @@ torch.compile (CUDA only) before the graphs are captured.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -64,10 +65,11 @@ PREFILL_GRAPH_TOKENS = 4096
 PREFILL_WIDTH_BUCKET = 64  # a graphed prefill's prompts are right-padded to a multiple of this
 SLOT_ALIGN = 8  # slot length granularity: keeps the attention mask rows 16-byte aligned for SDPA's fused kernels
 # a prompt continues what a slot holds from the last call (SamplingParams.continues) when it starts with at least
-# this many of its tokens (a shorter history is prefilled again: not worth a forward of its own); slots are looked
-# up by their first CONTINUED_KEY tokens
+# this many of its tokens (a shorter history is prefilled again: not worth a forward of its own)
 MIN_CONTINUED_TOKENS = 4
-CONTINUED_KEY = 16
+# a continuing prefill's chunk holds at most this many cells of its attention mask (bools: 256 MiB)
+ATTENTION_CELLS = 1 << 28
+CONTINUED_LOOKBACK = 8  # held sequences a prompt's search walks back over (those between it and its own are rare)
 DECODE_KERNELS = ("auto", "triton", "torch")
 KERNEL_OPS = frozenset({"attention", "sampling"})  # what rollout/kernels.py's Triton kernels can take over
 COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
@@ -233,7 +235,9 @@ class _Run:
         self.reset()
 
     def reset(self) -> None:
-        """Every slot free, nothing generated (the cache keeps what it holds)."""
+        """Every slot free, nothing generated (the cache keeps what it holds, but `last` no longer says what: this
+        call's writes begin now, and a call that fails before its end must leave nothing to continue)."""
+        self.last = None
         st = self.state
         torch._foreach_zero_([st.token, st.pos, st.gen, st.live, st.out_tokens, st.out_logprobs, st.out_len])
         st.limit.fill_(1)
@@ -364,8 +368,10 @@ class SlotEngine:
         sampling = (w.form, params.temperature, params.top_k, params.top_p, params.min_new_tokens, kernel_sampling)
         config = (num_seqs, max_new, bool(params.stop_token_ids), sampling, w.dtype, kernel_attention)
         run = self._run
+        # a kept run serves a call it fits (as many slots as a new run would get: kv_cache_tokens may have cut it)
+        fresh_slots = min(self.max_num_seqs, num_seqs, (self.kv_cache_tokens or 1 << 62) // slot_len)
         new_run = (run is None or run.config[2:] != config[2:] or run.num_seqs < num_seqs or run.max_new < max_new
-                   or run.slot_len < slot_len)
+                   or run.slot_len < slot_len or run.slots < fresh_slots)
         held = run.held() if params.continues and not new_run else {}
         if new_run:
             self._run = run = None  # the kept run's memory counts as free when the new one is sized
@@ -585,17 +591,19 @@ class SlotEngine:
                 reduce, sample_rows, clock) -> None:
         """Admit the sequences of `continued` ({sequence: (slot, start)}: the slot holds its prompt's first `start`
         tokens from the last call) into those slots: prefill the rest of each prompt (extend_layer, op by op) and
-        sample its first token. Chunks: at most max_prefill_tokens new tokens (padded), and the context they read
-        (the rows' whole lengths) at most 16 times that."""
+        sample its first token. Chunks: at most max_prefill_tokens new tokens (padded), and at most ATTENTION_CELLS
+        cells of the attention mask (rows x query heads per key head x new tokens x context)."""
         self._admit(run, w, prompts, n, limits, [(seq, slot) for seq, (slot, _) in continued.items()])
         device = w.embed.device
         self.stats["continued"] += len(continued)
         self.stats["continued_tokens"] += sum(start for _, start in continued.values())
+        group = w.layers[0].q.shape[0] // w.layers[0].k.shape[0]
         chunks, width, longest = [[]], 0, 0
         for seq, (slot, start) in continued.items():
             rest, whole = len(prompts[seq // n]) - start, len(prompts[seq // n])
-            if chunks[-1] and ((len(chunks[-1]) + 1) * max(width, rest) > self.max_prefill_tokens
-                               or (len(chunks[-1]) + 1) * max(longest, whole) > 16 * self.max_prefill_tokens):
+            size = len(chunks[-1]) + 1
+            if chunks[-1] and (size * max(width, rest) > self.max_prefill_tokens
+                               or size * group * max(width, rest) * max(longest, whole) > ATTENTION_CELLS):
                 chunks.append([])
                 width = longest = 0
             width, longest = max(width, rest), max(longest, whole)
@@ -604,17 +612,19 @@ class SlotEngine:
             width = max(len(rest) for rest, _, _ in chunk)
             padded = [rest + [self.pad_token_id] * (width - len(rest)) for rest, _, _ in chunk]
             ids = torch.tensor(padded, device=device)
-            slots, starts = (torch.tensor([c[i] for c in chunk], device=device) for i in (1, 2))
-            last = torch.tensor([len(rest) - 1 for rest, _, _ in chunk], device=device)
+            slots, starts, rest = (torch.tensor(values, device=device) for values in
+                                   ([c[1] for c in chunk], [c[2] for c in chunk], [len(c[0]) for c in chunk]))
+            length = max(start + len(r) for r, _, start in chunk)
             self.stats["prefills"] += 1
             with clock("prefill_s"):
                 hidden = embed_tokens(ids, w.embed, w.form.embed_scale)
                 residual = torch.zeros_like(hidden)
                 for block, spec, k, v in zip(w.layers, w.specs, run.k, run.v):
-                    hidden, residual = extend_layer(hidden, residual, block, k, v, slots, starts, run.cos[spec.rope],
-                                                    run.sin[spec.rope], w.form, spec, w.head_dim, reduce)
+                    hidden, residual = extend_layer(hidden, residual, block, k, v, slots, starts, rest, length,
+                                                    run.cos[spec.rope], run.sin[spec.rope], w.form, spec, w.head_dim,
+                                                    reduce)
                 rows = torch.arange(len(chunk), device=device)
-                sample_rows(hidden[rows, last], residual[rows, last], slots, False)
+                sample_rows(hidden[rows, rest - 1], residual[rows, rest - 1], slots, False)
 
     def _prefill_chunk(self, run: _Run, w: DecoderWeights, chunk_prompts, chunk_slots, layer, sample_rows, clock,
                        use_graphs: bool) -> None:
@@ -734,26 +744,20 @@ class SlotEngine:
 
 def _continued(held: dict[int, list[int]], prompts: list[list[int]], n: int) -> dict[int, tuple[int, int]]:
     """{sequence: (slot, start)} for the prompts that continue what a slot holds (held: slot -> its tokens): the
-    first sample of a prompt whose first `start` tokens a slot holds, start the most any slot offers, at least
-    MIN_CONTINUED_TOKENS and at most all but the prompt's last token (whose forward samples the first new one).
-    Slots are found by their first (up to CONTINUED_KEY) tokens, then compared whole."""
-    by_start: dict[tuple[int, ...], list[int]] = {}
-    for slot, tokens in held.items():
-        if len(tokens) >= MIN_CONTINUED_TOKENS:
-            by_start.setdefault(tuple(tokens[:CONTINUED_KEY]), []).append(slot)
-    keys = sorted({len(key) for key in by_start}, reverse=True)
+    first sample of a prompt that starts with a slot's tokens (at least MIN_CONTINUED_TOKENS of them), start their
+    count but at most all but the prompt's last token (whose forward samples the first new one). The held sequences
+    are sorted: one that a prompt starts with sorts at or before it, and any sorting between them starts with it too
+    (a longer one the prompt may also start with), so a binary search and a short walk back find the longest."""
+    order = sorted((tokens, slot) for slot, tokens in held.items() if len(tokens) >= MIN_CONTINUED_TOKENS)
     continued: dict[int, tuple[int, int]] = {}
     taken: set[int] = set()
     for index, prompt in enumerate(prompts):
-        best = None
-        for k in keys:
-            for slot in by_start.get(tuple(prompt[:k]), ()) if k < len(prompt) else ():
-                start = min(len(held[slot]), len(prompt) - 1)
-                if slot not in taken and prompt[:start] == held[slot][:start] and (best is None or start > best[1]):
-                    best = (slot, start)
-        if best is not None:
-            continued[index * n] = best
-            taken.add(best[0])
+        at = bisect.bisect_right(order, (prompt, float("inf")))
+        for tokens, slot in reversed(order[max(at - CONTINUED_LOOKBACK, 0):at]):
+            if slot not in taken and len(tokens) <= len(prompt) and prompt[: len(tokens)] == tokens:
+                continued[index * n] = (slot, min(len(tokens), len(prompt) - 1))
+                taken.add(slot)
+                break
     return continued
 
 

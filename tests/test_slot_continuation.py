@@ -21,7 +21,7 @@ from tasks.tiny_model import build_tiny_causal_lm
 
 MODELS = {"qwen2": lambda: native.tiny_model("qwen2"),
           **{name: (lambda name=name: families.tiny_model(name)) for name in
-             ("qwen3", "mistral-window", "gemma3", "olmo2", "phi3")}}
+             ("qwen3", "mistral-window", "gemma3", "gemma2", "olmo2", "phi3")}}
 MAX_NEW = 12
 CONTEXT = 120  # every sequence of both calls fits; the families' models allow 128 positions
 
@@ -50,15 +50,15 @@ def test_a_continuing_call_samples_what_a_fresh_engine_samples_from_the_whole_pr
     turns = responses(first)[::4]
     # Each episode's history goes on with an observation; the order changes (slots are found by their tokens), a
     # prompt shares its first 16 tokens with a held sequence and then differs (not continued), one is new.
-    observation = [7, 8, 9]
-    histories = [p + t + observation for p, t in zip(first_prompts, turns)]
+    observations = [[7, 8, 9], [7] * 11, [9, 8] * 7]  # of other lengths: the continuations are padded
+    histories = [p + t + o for p, t, o in zip(first_prompts, turns, observations)]
     diverging = first_prompts[1][:16] + [3] * 6
     prompts = [histories[2], diverging, histories[0], random_prompts([17], vocab, seed=2)[0], histories[1]]
     assert diverging[:17] != (first_prompts[1] + turns[1])[:17]
     then = dataclasses.replace(params, n=2, continues=True)
     out = engine.generate(prompts, then, torch.Generator().manual_seed(2))
     assert engine.stats["new_run"] == 0 and engine.stats["continued"] == 3  # the first sample of each history
-    assert engine.stats["continued_tokens"] == sum(len(h) - len(observation) - 1 for h in histories)
+    assert engine.stats["continued_tokens"] == sum(len(h) - len(o) - 1 for h, o in zip(histories, observations))
 
     fresh = NativeEngine(model, native.PAD, max_num_seqs=16, resident=False)
     expected = fresh.generate(prompts, dataclasses.replace(then, continues=False), torch.Generator().manual_seed(2))
@@ -87,24 +87,68 @@ def test_continuing_is_asked_for_and_needs_the_slots_kept(model):
     assert engine.stats["new_run"] == 1 and engine.stats["continued"] == 0
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3", "gemma2"])
+def test_a_short_continuation_beside_a_long_one_at_the_end_of_its_slot(name):
+    # Row A continues 2 tokens at the end of its slot, row B 40 tokens: A's padding reaches far past the slot's end
+    # and past the sliding window (8). Padding neither writes the cache nor attends to nothing (soft-capped
+    # attention would turn an empty row into NaN keys in the slot); a later call that continues nothing decodes
+    # from the same slots as a fresh engine does.
+    model = families.tiny_model(name)
+    vocab = model.config.vocab_size
+    engine = NativeEngine(model, native.PAD, max_num_seqs=4)
+    params = SamplingParams(max_new_tokens=8, temperature=0, context_tokens=128)
+    first_prompts = random_prompts([108, 40], vocab, seed=6)
+    turns = responses(engine.generate(first_prompts, params, max_new_tokens=[8, 8]))
+    histories = [first_prompts[0] + turns[0] + [5], first_prompts[1] + turns[1] + [6] * 39]
+    out = engine.generate(histories, dataclasses.replace(params, continues=True), max_new_tokens=[3, 8])
+    assert engine.stats["continued"] == 2
+    fresh = NativeEngine(model, native.PAD, max_num_seqs=4, resident=False)
+    expected = fresh.generate(histories, params, max_new_tokens=[3, 8])
+    assert torch.equal(out.response_ids, expected.response_ids)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+    assert all(torch.isfinite(k).all() for k in engine.slots._run.k)
+    again = random_prompts([30, 31], vocab, seed=7)
+    torch.testing.assert_close(engine.generate(again, params).logprobs, fresh.generate(again, params).logprobs,
+                               atol=1e-5, rtol=0)
+
+
 def test_slots_overwritten_or_moved_are_not_continued():
-    # 6 sequences through 2 slots: only the last two to finish are still held; compaction moved one of them.
+    # 16 sequences in 16 slots: 12 end after 3 tokens, then the 4 long ones move from slots 12-15 to slots 0-3
+    # (a smaller batch bucket serves them), over what slots 0-3 held. The finished short sequences of slots 4-11
+    # and the long ones are continued; the ones whose slots were written over are prefilled again.
     qwen = native.tiny_model("qwen2")
-    engine = NativeEngine(qwen, native.PAD, max_num_seqs=2)
-    prompts = random_prompts([16, 17, 18, 19, 20, 21], native.VOCAB, seed=4)
-    limits = [2, 9, 3, 4, 5, 6]
-    params = SamplingParams(max_new_tokens=9, temperature=0, context_tokens=64)
+    engine = NativeEngine(qwen, native.PAD, max_num_seqs=16)
+    prompts = random_prompts(list(range(16, 32)), native.VOCAB, seed=4)
+    limits = [3] * 12 + [20] * 4
+    params = SamplingParams(max_new_tokens=20, temperature=0, context_tokens=64)
     out = engine.generate(prompts, params, max_new_tokens=limits)
-    held = engine.slots._run.held()
     run = engine.slots._run
-    assert len(held) == 2 and sorted(run.finished_at.values()) == [4, 5]
-    # the cache of each held slot is exactly a fresh prefill's for its tokens
+    held = run.held()
+    assert sorted(run.finished_at.items()) == [(s, 12 + s) for s in range(4)] + [(s, s) for s in range(4, 12)]
     for slot, tokens in held.items():
         seq = run.finished_at[slot]
         assert tokens == prompts[seq] + responses(out)[seq][:-1]
-    later = [prompts[s] + responses(out)[s] for s in range(6)]
-    engine.generate(later, dataclasses.replace(params, continues=True))
-    assert engine.stats["continued"] == 2
+    later = [prompts[s] + responses(out)[s] + [7] for s in range(16)]
+    again = engine.generate(later, dataclasses.replace(params, continues=True), max_new_tokens=[4] * 16)
+    assert engine.stats["continued"] == 12
+    expected = NativeEngine(qwen, native.PAD, max_num_seqs=16, resident=False).generate(later, params,
+                                                                                        max_new_tokens=[4] * 16)
+    assert torch.equal(again.response_ids, expected.response_ids)
+    torch.testing.assert_close(again.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_call_that_fails_leaves_nothing_to_continue():
+    # a call that raises after it wrote slots (here: a prompt id outside the vocabulary, at the embedding) must
+    # not let the next call trust what the call before it left
+    qwen = native.tiny_model("qwen2")
+    engine = NativeEngine(qwen, native.PAD, max_num_seqs=4)
+    params = SamplingParams(max_new_tokens=6, temperature=0, context_tokens=64)
+    prompts = random_prompts([20, 24], native.VOCAB, seed=8)
+    turns = responses(engine.generate(prompts, params))
+    with pytest.raises(IndexError):
+        engine.generate([list(range(3, 23)), [native.VOCAB + 5] * 20], params)
+    engine.generate([p + t + [5] for p, t in zip(prompts, turns)], dataclasses.replace(params, continues=True))
+    assert engine.stats["continued"] == 0
 
 
 def test_episodes_continue_their_turns_in_the_native_engine():
@@ -141,4 +185,4 @@ def test_episodes_continue_their_turns_in_the_native_engine():
     torch.testing.assert_close(kept.output.logprobs, again.output.logprobs, atol=1e-5, rtol=0)
 
 
-assert slots.MIN_CONTINUED_TOKENS <= 16 == slots.CONTINUED_KEY  # the prompts above are built around them
+assert slots.MIN_CONTINUED_TOKENS <= 16  # the shortest held sequences above
