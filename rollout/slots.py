@@ -27,11 +27,9 @@ import bisect
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -41,17 +39,16 @@ from rollout.api import RolloutOutput, SamplingParams
 from rollout.decoder import (
     SEPARATE_FIELDS,
     DecoderWeights,
-    Form,
     decode_layer,
     extend_layer,
     fill_weights,
     own_weights,
     prefill_layer,
     read_weights,
-    rms_norm,
-    rope_tables,
 )
-from rollout.sampling import gumbel_noise, sample_with_noise, take_first_tp_rank
+from rollout.sampling import take_first_tp_rank
+from rollout.slot_run import SlotRun
+from rollout.step_pieces import decode_inputs, embed_tokens, sample_and_record
 
 STEPS_PER_CHECK = 16  # decode steps between two host syncs: a finished slot idles at most this many steps
 MIN_BATCH_BUCKET = 8
@@ -88,178 +85,6 @@ def compile_piece(fn: Callable, **options) -> Callable:
     RECOMPILE_LIMIT for the process (never lowered). options: more torch.compile arguments (tests: backend)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(fn, fullgraph=True, dynamic=COMPILE_DYNAMIC, **options)
-
-
-class SlotState(NamedTuple):
-    """The decode state on the device. S slots; N sequences; R_max the longest response allowed."""
-
-    token: torch.Tensor  # [S] long: the slot's last sampled token, not yet in the cache
-    pos: torch.Tensor  # [S] long: the position that token takes in the cache
-    gen: torch.Tensor  # [S] long: tokens generated so far
-    limit: torch.Tensor  # [S] long: the sequence's max_new_tokens
-    live: torch.Tensor  # [S] bool
-    seq: torch.Tensor  # [S] long: the sequence (output row) the slot serves
-    out_tokens: torch.Tensor  # [N + 1, R_max] long; row N takes the writes of slots that are not live
-    out_logprobs: torch.Tensor  # [N + 1, R_max] float32
-    out_len: torch.Tensor  # [N + 1] long
-
-
-def embed_tokens(ids: torch.Tensor, embed: torch.Tensor, scale: float) -> torch.Tensor:
-    """ids: [...] long -> [..., hidden]: the embeddings, times the family's scale (Form.embed_scale) unless 1."""
-    hidden = F.embedding(ids, embed)
-    return hidden if scale == 1.0 else hidden * scale
-
-
-def decode_inputs(
-    token: torch.Tensor,
-    pos: torch.Tensor,
-    embed: torch.Tensor,
-    cos_tables: list[torch.Tensor],
-    sin_tables: list[torch.Tensor],
-    positions: torch.Tensor | None,
-    embed_scale: float = 1.0,
-) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
-    """token, pos: [B] long; embed: [V, hidden]; cos/sin_tables: [T_max, D] per rotary table; positions: [T] =
-    arange(T), or None when attention needs no mask (the Triton kernel reads each slot's live length itself).
-    Returns embeddings [B, hidden], each table's cos and sin [B, D] at pos, and the attention mask [B, 1, 1, T]
-    (positions <= pos: the cache so far and the token written this step) or None."""
-    mask = None if positions is None else (positions[None, :] <= pos[:, None])[:, None, None, :]
-    return (embed_tokens(token, embed, embed_scale), [t[pos] for t in cos_tables], [t[pos] for t in sin_tables],
-            mask)
-
-
-def sample_and_record(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    rows: torch.Tensor,
-    norm: torch.Tensor,
-    lm_head: torch.Tensor,
-    state: SlotState,
-    seed: torch.Tensor,
-    stop_mask: torch.Tensor | None,
-    form: Form,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_new_tokens: int,
-    kernel_sampling: bool,
-    advance_positions: bool,
-    broadcast: Callable | None = None,
-) -> None:
-    """Sample the next token of the slots `rows` and update their state in place.
-
-    hidden, residual: [R, hidden], the last block's output and residual at each slot's last position. rows: [R] long
-    slots. seed: [1] int32. stop_mask: [V] bool (True on stop tokens) or None when there are none. form: the model's
-    numerics (its final norm's).
-    A slot that is not live samples too (its work is in the batch anyway) but writes to the spare output row and
-    keeps its state. advance_positions: a decode step moves pos past the token it just wrote; prefill does not (the
-    prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
-    tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's kernel (one pass over the logits, and with
-    top-p a few passes over the rows whose first pick lies outside the nucleus), the draw of
-    sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie, or,
-    with top-p, where a token's mass above it is within rounding of top_p).
-    """
-    logits = F.linear(rms_norm(hidden + residual, norm, form.eps, form.norm_offset, form.norm_float32), lm_head)
-    gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]
-    ban = stop_mask is not None and min_new_tokens > 0
-    if kernel_sampling:
-        tokens, logprobs = kernels.sample_tokens(logits, temperature, seed, seq, gen, stop_mask if ban else None,
-                                                 gen < min_new_tokens if ban else None, top_k, top_p)
-    else:
-        banned = (gen < min_new_tokens)[:, None] & stop_mask[None, :] if ban else None
-        noise = gumbel_noise(seed, seq, gen, logits.shape[-1]) if temperature > 0 else None
-        tokens, logprobs = sample_with_noise(logits, temperature, top_k, top_p, banned, noise)
-    if broadcast is not None:
-        tokens, logprobs = broadcast(tokens, logprobs)
-    spare = state.out_len.shape[0] - 1
-    out_row, out_col = torch.where(live, seq, spare), torch.where(live, gen, 0)
-    state.out_tokens[out_row, out_col] = tokens
-    state.out_logprobs[out_row, out_col] = logprobs
-    state.out_len[out_row] = gen + 1
-    finished = gen + 1 >= state.limit[rows]
-    if stop_mask is not None:
-        finished = finished | stop_mask[tokens]
-    state.token[rows] = tokens
-    state.gen[rows] = gen + live
-    if advance_positions:
-        state.pos[rows] = state.pos[rows] + live
-    state.live[rows] = live & ~finished
-
-
-class _Run:
-    """The cache, the device state, the captured graphs and the host's view of the slots: one generate call's, or,
-    with a resident engine, kept for the next call that fits it (reset between calls, the cache kept: what the last
-    call's sequences left in their slots, `last`, may be continued).
-
-    config: what, besides the slots, slot length and the bucket, a captured step depends on (sequences and response
-    length, which a later call may have fewer of; whether there are stop tokens, the sampling settings, dtype, the
-    attention kernel)."""
-
-    def __init__(self, slots: int, slot_len: int, config: tuple, w: DecoderWeights, device):
-        num_seqs, max_new, stops = config[:3]
-        self.slots, self.slot_len, self.config, self.num_seqs, self.max_new = slots, slot_len, config, num_seqs, max_new
-        self.shapes = (slots, slot_len, *config)  # a captured step's inputs besides the bucket
-        shape = (slots, w.kv_heads, slot_len, w.head_dim)
-        self.k = [torch.empty(shape, dtype=w.dtype, device=device) for _ in w.layers]
-        self.v = [torch.empty(shape, dtype=w.dtype, device=device) for _ in w.layers]
-        self.cos, self.sin = rope_tables(w, slot_len, device)
-        self.positions = torch.arange(slot_len, device=device)
-        self.rows = torch.arange(slots, device=device)
-        long = dict(dtype=torch.long, device=device)
-        self.state = SlotState(
-            token=torch.empty(slots, **long),
-            pos=torch.empty(slots, **long),
-            gen=torch.empty(slots, **long),
-            limit=torch.empty(slots, **long),
-            live=torch.empty(slots, dtype=torch.bool, device=device),
-            seq=torch.empty(slots, **long),
-            out_tokens=torch.empty(num_seqs + 1, max_new, **long),
-            out_logprobs=torch.empty(num_seqs + 1, max_new, dtype=torch.float32, device=device),
-            out_len=torch.empty(num_seqs + 1, **long),
-        )
-        # the seed of the sampling noise and the stop tokens, filled in by each call: graphs read them here
-        self.seed = torch.empty(1, dtype=torch.int32, device=device)
-        self.stop_mask = torch.empty(w.embed.shape[0], dtype=torch.bool, device=device) if stops else None
-        # the captured steps: decode ("decode", batch bucket, context bucket), prefill ("prefill", *_prefill_shape)
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.prefill_inputs: dict[tuple, list[torch.Tensor]] = {}  # a prefill graph's inputs: ids, dest, src, last
-        cuda = device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if cuda else None
-        self.capture_stream = torch.cuda.Stream(device) if cuda else None
-        # The cache is zeroed once, not left as allocated: attention weighs masked positions by exactly 0, but
-        # 0 * NaN is NaN. Every later write is a computed key or value.
-        torch._foreach_zero_([*self.k, *self.v])
-        # what the last call left: (its prompts, n, responses, their lengths, {slot: sequence} of the finished
-        # sequences whose slots still hold them), for a call that continues them
-        self.last: tuple | None = None
-        self.reset()
-
-    def reset(self) -> None:
-        """Every slot free, nothing generated (the cache keeps what it holds, but `last` no longer says what: this
-        call's writes begin now, and a call that fails before its end must leave nothing to continue)."""
-        self.last = None
-        st = self.state
-        torch._foreach_zero_([st.token, st.pos, st.gen, st.live, st.out_tokens, st.out_logprobs, st.out_len])
-        st.limit.fill_(1)
-        st.seq.fill_(self.num_seqs)  # the spare output row
-        self.slot_seq: list[int | None] = [None] * self.slots  # host: the sequence in each slot, None when free
-        self.slot_pos = [0] * self.slots  # host: pos of each occupied slot, exact at every check
-        self.slot_left = [0] * self.slots  # host: an upper bound on the steps each occupied slot may still decode
-        self.finished_at: dict[int, int] = {}  # host: slot -> the finished sequence whose tokens it still holds
-
-    def held(self) -> dict[int, list[int]]:
-        """slot -> the tokens whose keys and values it holds from the last call: a finished sequence's prompt and
-        response but its last token (sampled, never fed back)."""
-        if self.last is None:
-            return {}
-        prompts, n, response, lengths, finished = self.last
-        rows = list(finished.values())
-        tokens, counts = response[rows].tolist(), lengths[rows].tolist()
-        return {slot: prompts[seq // n] + t[: count - 1]
-                for (slot, seq), t, count in zip(finished.items(), tokens, counts)}
-
-    def occupied(self) -> list[int]:
-        return [s for s, seq in enumerate(self.slot_seq) if seq is not None]
 
 
 class SlotEngine:
@@ -321,7 +146,7 @@ class SlotEngine:
         self._loaded: DecoderWeights | None = None  # read by load_weights for the next call
         self._kept: DecoderWeights | None = None  # resident: the engine's weight buffers
         self._kept_key: tuple = ()  # what the model's parameters were like when _kept was made
-        self._run: _Run | None = None  # resident: the last call's run
+        self._run: SlotRun | None = None  # resident: the last call's run
         self._gathered_bytes = 0  # resident, FSDP2: the gathered parameters' bytes, which the next rollout gathers
         self._compiled: dict[str, Callable] = {}
         # with sequences decoding, admit waiting ones once this many slots are free (None: where prefills replay
@@ -376,7 +201,7 @@ class SlotEngine:
         if new_run:
             self._run = run = None  # the kept run's memory counts as free when the new one is sized
             slots, by_share = self._slot_count(w, slot_len, longest, num_seqs, device)
-            run = _Run(slots, slot_len, config, w, device)
+            run = SlotRun(slots, slot_len, config, w, device)
             # A cache the GPU share cut short fills that share: kept, it would hold it through training (sized
             # before the optimizer's state exists, even), so it lives for this call only.
             if self.resident and not by_share:
@@ -551,7 +376,7 @@ class SlotEngine:
         return prefill + logits
 
     @staticmethod
-    def _admit(run: _Run, w: DecoderWeights, prompts, n, limits, admitted) -> None:
+    def _admit(run: SlotRun, w: DecoderWeights, prompts, n, limits, admitted) -> None:
         """The (sequence, slot) pairs' state: each slot serves its sequence from the position after its prompt."""
         st, device = run.state, w.embed.device
         seqs = torch.tensor([seq for seq, _ in admitted], device=device)
@@ -567,7 +392,7 @@ class SlotEngine:
             run.slot_seq[slot], run.slot_pos[slot], run.slot_left[slot] = seq, prompt_len, limit - 1
             run.finished_at.pop(slot, None)
 
-    def _prefill(self, run: _Run, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows, clock,
+    def _prefill(self, run: SlotRun, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows, clock,
                  use_graphs: bool) -> None:
         """Put the admitted (sequence, slot) pairs into their slots: one prefill per prompt, the first token sampled.
         layer: prefill_layer (maybe compiled) with its reduce bound."""
@@ -587,7 +412,7 @@ class SlotEngine:
             self._prefill_chunk(run, w, [prompts[i] for i in chunk], [by_prompt[i] for i in chunk], layer,
                                 sample_rows, clock, use_graphs)
 
-    def _extend(self, run: _Run, w: DecoderWeights, prompts, n, limits, continued: dict[int, tuple[int, int]],
+    def _extend(self, run: SlotRun, w: DecoderWeights, prompts, n, limits, continued: dict[int, tuple[int, int]],
                 reduce, sample_rows, clock) -> None:
         """Admit the sequences of `continued` ({sequence: (slot, start)}: the slot holds its prompt's first `start`
         tokens from the last call) into those slots: prefill the rest of each prompt (extend_layer, op by op) and
@@ -626,7 +451,7 @@ class SlotEngine:
                 rows = torch.arange(len(chunk), device=device)
                 sample_rows(hidden[rows, rest - 1], residual[rows, rest - 1], slots, False)
 
-    def _prefill_chunk(self, run: _Run, w: DecoderWeights, chunk_prompts, chunk_slots, layer, sample_rows, clock,
+    def _prefill_chunk(self, run: SlotRun, w: DecoderWeights, chunk_prompts, chunk_slots, layer, sample_rows, clock,
                        use_graphs: bool) -> None:
         """chunk_prompts: P prompts; chunk_slots: the slots of each prompt's admitted samples. A chunk that fits a
         graph's bucket (_prefill_shape) is padded to it when graphs are used (or pad_prefills says so): prompts of
@@ -666,7 +491,7 @@ class SlotEngine:
             run.graphs[key].replay()
 
     @staticmethod
-    def _prefill_forward(run: _Run, w: DecoderWeights, ids, dest, src, last, layer, sample_rows) -> None:
+    def _prefill_forward(run: SlotRun, w: DecoderWeights, ids, dest, src, last, layer, sample_rows) -> None:
         """ids: [P, L] right-padded prompts; dest, src: [R] slots and their prompts; last: [P] each prompt's last
         position. Writes the prompts' keys/values into the slots and samples each slot's first token."""
         hidden = embed_tokens(ids, w.embed, w.form.embed_scale)
@@ -678,7 +503,7 @@ class SlotEngine:
         rows = torch.arange(ids.shape[0], device=ids.device)
         sample_rows(hidden[rows, last][src], residual[rows, last][src], dest, False)
 
-    def _graph(self, run: _Run, key: tuple, step: Callable[[], None]) -> None:
+    def _graph(self, run: SlotRun, key: tuple, step: Callable[[], None]) -> None:
         """Capture `step` (a decode step, or a prefill over its input buffers) as the CUDA graph run.graphs[key].
 
         The first capture of a shape needs one run before it (torch.compile compiles, kernels initialise). That run
@@ -706,7 +531,7 @@ class SlotEngine:
         torch.cuda.current_stream().wait_stream(stream)
         run.graphs[key] = graph
 
-    def _check(self, run: _Run, batch: int, steps: int, compact: bool) -> None:
+    def _check(self, run: SlotRun, batch: int, steps: int, compact: bool) -> None:
         """Read the live flags and positions of the first `batch` slots (a host sync), free finished slots, and with
         `compact` move the live slots to the front when that lets a smaller batch bucket serve them."""
         st = run.state

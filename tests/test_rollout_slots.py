@@ -284,12 +284,12 @@ def test_a_resident_engine_keeps_its_run_and_decodes_with_the_new_weights(model,
     # The replaced run's memory is released before the new run is allocated (and sized), not held beside it.
     alive_at_new_run = []
 
-    class Run(slots._Run):
+    class Run(slots.SlotRun):
         def __init__(self, *args):
             alive_at_new_run.append(old_cache() is not None)
             super().__init__(*args)
 
-    monkeypatch.setattr(slots, "_Run", Run)
+    monkeypatch.setattr(slots, "SlotRun", Run)
     for prompts, changed in ((short, dataclasses.replace(params, temperature=0.5)),
                              (short, dataclasses.replace(params, n=3)), ([p * 3 for p in PROMPTS], params)):
         old_cache = weakref.ref(kept.slots._run.k[0])
