@@ -106,7 +106,7 @@ def _takes_logits_to_keep(model: nn.Module) -> bool:
 
 
 # HF models whose mask follows packed position_ids (tests/test_modeling.py, tests/test_families_training.py)
-PACKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "smollm3", "gemma3_text", "phi3")
+PACKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "smollm3", "gemma3_text", "gemma2", "phi3")
 PACK_ROW_FACTOR = 2  # a packed row holds up to this many times the micro-batch's padded width
 PACK_MIN_SAVING = 0.1  # pack only when the packed rows hold at least this share fewer tokens than the padded batch
 

@@ -10,8 +10,9 @@ greedy tokens against HF `generate` and the engine's log-probs against the teach
 
 Not described, so decoded through the HF forward (rollout/native.py warns once naming that slower path):
 mixture-of-experts families, dynamic rotary scaling (NTK, longrope, YaRN: Phi-3's long-context variants use longrope),
-final logit soft-capping (Gemma 2's final_logit_softcapping: the slot engine's sampler does not cap the logits yet;
-attention soft-capping is in the compact forward and the decode kernel), and any model_type not listed in FAMILIES.
+bidirectional attention (Gemma's use_bidirectional_attention), and any model_type not listed in FAMILIES. Gemma 2's
+soft-capping is computed: the attention's in the compact forward and the decode kernel, the final logits' in the
+sampler (rollout/step_pieces.py).
 """
 
 from __future__ import annotations
@@ -127,9 +128,6 @@ def _windows_everywhere(config) -> list[int]:
 
 def _gemma_check(config) -> str | None:
     """Gemma 2/3 settings the compact forward does not compute."""
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
-        return f"final_logit_softcapping={cap} (the slot engine's sampler does not cap the logits)"
     if getattr(config, "use_bidirectional_attention", None):
         return "use_bidirectional_attention=True (the compact forward attends causally)"
     return None

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout import kernels
-from rollout.decoder import Form, rms_norm
+from rollout.decoder import Form, rms_norm, soft_cap
 from rollout.sampling import gumbel_noise, sample_with_noise
 from rollout.slot_run import SlotState
 
@@ -71,6 +71,7 @@ def sample_and_record(
     with top-p, where a token's mass above it is within rounding of top_p).
     """
     logits = F.linear(rms_norm(hidden + residual, norm, form.eps, form.norm_offset, form.norm_float32), lm_head)
+    logits = soft_cap(logits, form.logit_softcap)  # Gemma 2's final soft-capping (0: none)
     gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]
     ban = stop_mask is not None and min_new_tokens > 0
     if kernel_sampling:

@@ -11,9 +11,7 @@ from test_rollout_families import FAMILIES, tiny_model
 from roles.modeling import micro_batches, packable
 
 
-# Gemma 2 packs as the others do (checked by hand: packed = padded within 1e-5) but is not yet in
-# roles/modeling.PACKABLE_MODEL_TYPES, so its micro-batches stay padded
-@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "gemma2"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_packed_micro_batches_give_the_padded_ones(name):
     prompts, responses = [3, 9, 2, 5, 4, 6, 4, 6], [12, 2, 15, 7, 1, 9, 12, 30]
     batch = random_batch(prompts, responses, seed=5)  # token ids below 97: the tiny models' vocabulary is 96

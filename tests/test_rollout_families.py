@@ -57,11 +57,11 @@ FAMILIES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}),
     # sliding and global layers alternating; attention scores soft-capped at 2 with weights 10x the default init, so
-    # that scores reach ~10 and the cap bends them (it moves the log-probs by up to 0.7); final logits not capped
-    # (the sampler does not cap them: rollout/families.py)
+    # that scores reach ~10 and the cap bends them (it moves the log-probs by up to 0.7); the final logits capped at
+    # 4 as well (released checkpoints cap them at 30)
     "gemma2": lambda: Gemma2Config(**SHAPE, num_hidden_layers=4, head_dim=16, sliding_window=8,
                                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                                   final_logit_softcapping=None, initializer_range=0.2),
+                                   final_logit_softcapping=4.0, initializer_range=0.2),
     # fused qkv and gate_up weights; rotary on half of each head (Phi-4-mini: 0.75)
     "phi3": lambda: Phi3Config(**SHAPE, num_hidden_layers=2, partial_rotary_factor=0.5),
 }
@@ -133,7 +133,7 @@ def test_unsupported_configs_fall_back_with_the_reason():
     torch.manual_seed(0)
     capped = AutoModelForCausalLM.from_config(Gemma3TextConfig(**SHAPE, num_hidden_layers=1, head_dim=16,
                                                                final_logit_softcapping=30.0)).eval()
-    assert "final_logit_softcapping" in NativeEngine(capped, PAD).fallback_reason
+    assert NativeEngine(capped, PAD).fallback_reason is None  # the sampler caps the final logits (gemma2's test)
     both_ways = AutoModelForCausalLM.from_config(Gemma2Config(**SHAPE, num_hidden_layers=1, head_dim=16,
                                                               final_logit_softcapping=None,
                                                               use_bidirectional_attention=True)).eval()
