@@ -99,7 +99,7 @@ def model_shape(path: str, kind: str, key: str, trust_remote_code: bool = False)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from parallel.tp import decoder_layers
-    from rollout.decoder import unsupported_reason
+    from rollout.families import unsupported_reason
 
     arch = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if kind == "value":

@@ -25,7 +25,7 @@ from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
 from rollout.api import ATTENTION_BACKENDS, RolloutOutput, SamplingParams
-from rollout.decoder import unsupported_reason
+from rollout.families import unsupported_reason
 from rollout.sampling import sample_next_tokens, take_first_tp_rank
 from rollout.slots import KERNEL_OPS, SlotEngine
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from rollout.decoder import DecoderWeights, rope_tables
+from rollout.model_weights import DecoderWeights, rope_tables
 
 
 class SlotState(NamedTuple):

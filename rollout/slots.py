@@ -36,16 +36,8 @@ from torch.distributed.fsdp import FSDPModule
 from parallel.timing import DeviceClock
 from rollout import kernels
 from rollout.api import RolloutOutput, SamplingParams
-from rollout.decoder import (
-    SEPARATE_FIELDS,
-    DecoderWeights,
-    decode_layer,
-    extend_layer,
-    fill_weights,
-    own_weights,
-    prefill_layer,
-    read_weights,
-)
+from rollout.decoder import decode_layer, extend_layer, prefill_layer
+from rollout.model_weights import SEPARATE_FIELDS, DecoderWeights, fill_weights, own_weights, read_weights
 from rollout.sampling import take_first_tp_rank
 from rollout.slot_run import SlotRun
 from rollout.step_pieces import decode_inputs, embed_tokens, sample_and_record

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout import kernels
-from rollout.decoder import Form, rms_norm, soft_cap
+from rollout.decoder import rms_norm, soft_cap
+from rollout.model_weights import Form
 from rollout.sampling import gumbel_noise, sample_with_noise
 from rollout.slot_run import SlotState
 

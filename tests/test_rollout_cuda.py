@@ -141,7 +141,7 @@ def test_a_cache_the_gpu_share_cuts_short_is_not_kept():
     # which fills the share, lives for this call only; the same engine with room for all 12 keeps its run.
     from test_rollout_kernels import head16_model
 
-    from rollout.decoder import read_weights
+    from rollout.model_weights import read_weights
 
     model = head16_model()
     prompts = PROMPTS[:3] * 2  # 6 prompts x n=2: 12 sequences

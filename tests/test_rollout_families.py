@@ -28,7 +28,7 @@ from transformers import (
 
 from conftest import explain, run_python, torchrun
 from rollout import kernels
-from rollout.decoder import read_weights
+from rollout.model_weights import read_weights
 from rollout.native import NativeEngine, SamplingParams
 
 VOCAB = 96

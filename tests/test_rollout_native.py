@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from conftest import explain, torchrun
-from rollout.decoder import read_weights
+from rollout.model_weights import read_weights
 from rollout.native import NativeEngine, SamplingParams
 from rollout.sampling import sample_next_tokens, truncate_top_k_top_p
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from rollout import slots
-from rollout.decoder import LayerWeights, fill_weights, own_weights, read_weights
+from rollout.model_weights import LayerWeights, fill_weights, own_weights, read_weights
 from rollout.native import NativeEngine, SamplingParams
 from rollout.sampling import gumbel_noise, sample_with_noise
 
