@@ -291,7 +291,7 @@ def extend_layer(
     residual = hidden + residual
     x = norm(residual, w.input_norm, form)
     prompts, width = x.shape[:2]
-    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form))
+    q, k, v = (t.view(prompts, width, -1, head_dim) for t in _qkv(x, w, form, reduce))
     q, k = _heads_norm(q, k, w, form)
     steps = torch.arange(width, device=x.device)
     real = steps[None, :] < rest[:, None]  # [P, L]

@@ -11,6 +11,7 @@ parallelism, 2 gloo processes; launched by tests/test_families_tp.py with a scra
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -112,6 +113,14 @@ def engine(name: str, path: str, tp) -> None:
     reference = tiny_model(name)
     for prompt, response in zip(PROMPTS, responses(greedy)):
         assert response == hf_greedy(reference, prompt, MAX_NEW), f"{name}: TP=2 greedy != HF generate on {prompt}"
+    # an episode's next turn continues what its slot holds: the continuing prefill under TP=2 (OLMo 2's norm
+    # statistics all-reduced there too) decodes what HF generate does from the whole history
+    turn = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=[], context_tokens=100)
+    histories = [p + r + [5, 6] for p, r in zip(PROMPTS, responses(actor.generate(PROMPTS, turn)))]
+    later = actor.generate(histories, dataclasses.replace(turn, max_new_tokens=6, continues=True))
+    assert actor.engine.stats["continued"] == len(PROMPTS), actor.engine.stats
+    for history, response in zip(histories, responses(later)):
+        assert response == hf_greedy(reference, history, 6), f"{name}: TP=2 continued turn != HF generate"
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_p=1.0, top_k=0, n=2, stop_token_ids=[])
     out = actor.generate(PROMPTS, params, torch.Generator().manual_seed(1))
     batch = rollout_batch(out, list(range(len(out.prompt_ids))), torch.device("cpu"))
