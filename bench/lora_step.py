@@ -110,29 +110,11 @@ def trl_worker(spec: dict) -> None:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    times: list[float] = []
-    first: list[float] = []
+    times, first, clock = ps.trl_step_clock(t0, "trl-lora")
     cuda = torch.cuda.is_available()
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            sync()
-            self.began = time.perf_counter()
-            if not first:
-                first.append(time.time() - t0)
-
-        def on_step_end(self, args, state, control, **kw):
-            sync()
-            times.append(time.perf_counter() - self.began)
-            print(f"[trl-lora] step {len(times)}: {times[-1]:.2f} s, peak "
-                  f"{torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.2f} GiB", flush=True)
 
     args = GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl_lora_out"), per_device_train_batch_size=ps.PROMPTS * ps.SAMPLES,
@@ -146,7 +128,7 @@ def trl_worker(spec: dict) -> None:
     data = load_dataset("json", data_files=spec["data"], split="train")
     tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=bench_reward.trl_reward, args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[Clock()], peft_config=peft_config)
+                          processing_class=tok, callbacks=[clock], peft_config=peft_config)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]

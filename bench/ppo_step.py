@@ -199,20 +199,11 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
 
 
 # ------------------------------------------------------------------------------------------------- TRL
-def trl_worker(spec: dict) -> None:
-    """One TRL GRPOTrainer run in this process; writes its step times to spec["out"]."""
-    t0 = time.time()
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    sys.path.insert(0, spec["workdir"])
-    import bench_reward
+def trl_step_clock(t0: float, label: str | None = None):
+    """(times, first, callback): a TrainerCallback timing each TRL step into `times` (synchronised on CUDA) and putting
+    the seconds from t0 to the first step into `first`; with `label` it prints each step's time and peak memory."""
     import torch
-    from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
     times: list[float] = []
     first: list[float] = []
@@ -232,6 +223,30 @@ def trl_worker(spec: dict) -> None:
         def on_step_end(self, args, state, control, **kw):
             sync()
             times.append(time.perf_counter() - self.began)
+            if label:
+                print(f"[{label}] step {len(times)}: {times[-1]:.2f} s, peak "
+                      f"{torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.2f} GiB", flush=True)
+
+    return times, first, Clock()
+
+
+def trl_worker(spec: dict) -> None:
+    """One TRL GRPOTrainer run in this process; writes its step times to spec["out"]."""
+    t0 = time.time()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    sys.path.insert(0, spec["workdir"])
+    import bench_reward
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    times, first, clock = trl_step_clock(t0)
+    cuda = torch.cuda.is_available()
 
     vocab = spec["vocab"]
     gen_kwargs = {}
@@ -248,7 +263,7 @@ def trl_worker(spec: dict) -> None:
     data = load_dataset("json", data_files=spec["data"], split="train")
     tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=bench_reward.trl_reward, args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[Clock()])
+                          processing_class=tok, callbacks=[clock])
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     Path(spec["out"]).write_text(json.dumps({"steps": times, "start_s": first[0] if first else None,
