@@ -27,8 +27,9 @@ from parallel.distributed import anyone, env_world, exit_process, init_distribut
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
 from roles.lora import apply_lora, save_adapter_folder
-from roles.modeling import load_causal_lm, lr_factor
+from roles.modeling import load_causal_lm
 from roles.sft import encode_pairs, save_hf, sft_eval_loss, sft_step
+from roles.update_loop import lr_factor
 from tasks.char_tokenizer import load_tokenizer
 from tasks.data import load_sft_records
 

@@ -19,7 +19,7 @@ def shard_model(model: nn.Module, pool: Pool, fsdp_cfg, train: bool = True, repl
 
     HSDP when pool.dp_replicate > 1: shards inside a (dp_shard) group, replicas across (dp_replicate). With
     replicate=False FSDP2 stops at dp_shard and the caller joins the replicas itself (compressed gradients,
-    parameter averaging: see roles/modeling.ReplicaSync).
+    parameter averaging: see roles/update_loop.ReplicaSync).
     `fsdp_cfg` is config.FSDPConfig. Frozen models (reference, reward) pass train=False: no activation checkpointing.
     """
     apply_tp(model, pool.mesh["tp"])

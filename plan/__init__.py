@@ -16,7 +16,7 @@ Bytes per rank (the formulas follow the code that allocates them; GiB = 2**30 by
   dim 0 over dp_shard, padded the way FSDP2 pads: ceil(dim0 / dp_shard) rows. dp_replicate holds copies.
 - gradients (actor, critic): the sharded parameters' shapes and dtype (FSDP2 reduce-scatters into float32
   shards); freed after each optimizer step (zero_grad(set_to_none=True)), so only the update phases hold them.
-- optimizer (roles/modeling.make_optimizer, AdamW): exp_avg and exp_avg_sq like the float32 shards, plus a float32
+- optimizer (roles/update_loop.make_optimizer, AdamW): exp_avg and exp_avg_sq like the float32 shards, plus a float32
   `step` per tensor. fsdp.cpu_offload moves parameters, gradients and optimizer state to host memory ("host").
 - FSDP2 working set ("gather"): parameters all-gathered in fsdp.param_dtype: the root module's (embeddings, final
   norm, head; FSDP2 keeps the root gathered from forward to backward) and two decoder blocks (the current and the

@@ -53,12 +53,12 @@ def activation_bytes(m: ModelShape, tokens: int, width: int, tp: int, b: int) ->
 
 def row_width(cfg: C.Config) -> int:
     """The widest micro-batch row: max_prompt_len + the longest response (max_new_tokens, or a multi-turn episode's
-    budget) rounded up to 16 (roles/modeling.WIDTH_MULTIPLE)."""
+    budget) rounded up to 16 (roles/micro_batches.WIDTH_MULTIPLE)."""
     return _ceil_div(cfg.data.max_prompt_len + C.response_budget(cfg), 16) * 16
 
 
 def micro_batch_tokens(cfg: C.Config, budget: int, rows: int) -> int:
-    """Padded tokens of the largest micro-batch roles/modeling.micro_batches cuts from `rows` samples: as many rows
+    """Padded tokens of the largest micro-batch roles/micro_batches.micro_batches cuts from `rows` samples: as many rows
     of the widest length as `budget` holds, one at least."""
     return max(1, min(budget // row_width(cfg), rows)) * row_width(cfg)
 

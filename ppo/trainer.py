@@ -36,9 +36,9 @@ from ppo.save_resume import SaveResume
 from roles.actor import Actor
 from roles.critic import Critic
 from roles.lora import BaseReference
-from roles.modeling import all_reduce_sum
 from roles.reference import Reference
 from roles.reward import Reward
+from roles.update_loop import all_reduce_sum
 from rollout.api import stop_token_ids
 from rollout.episodes import ObservationTokens
 from rollout.native import SamplingParams

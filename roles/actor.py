@@ -13,19 +13,9 @@ from config import fixed_budget
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.lora import apply_lora
-from roles.modeling import (
-    ReplicaSync,
-    UpdateMetrics,
-    disable_dropout,
-    join_rows,
-    load_causal_lm,
-    lr_factor,
-    make_optimizer,
-    micro_batches,
-    packable,
-    response_logits,
-    train_mini_batches,
-)
+from roles.micro_batches import join_rows, micro_batches
+from roles.modeling import disable_dropout, load_causal_lm, packable, response_logits
+from roles.update_loop import ReplicaSync, UpdateMetrics, lr_factor, make_optimizer, train_mini_batches
 from rollout.native import NativeEngine, RolloutOutput, SamplingParams, fallback_reason
 
 
@@ -103,7 +93,7 @@ class Actor:
         """PPO epochs x mini-batches x micro-batches on this rank's samples. Needs advantages (and ref_logprobs
         when kl_loss_coef > 0). Losses are normalised by global counts over the dp group, so
         the update does not depend on how samples are split over micro-batches or ranks; so are the metrics
-        (roles.modeling.UpdateMetrics), the same on every rank. A batch empty on every rank (filters dropped
+        (roles.update_loop.UpdateMetrics), the same on every rank. A batch empty on every rank (filters dropped
         everything) trains nothing and says so in actor/empty_batch.
 
         old_logprobs: the sampling policy's; a batch without them must be trained in one optimizer step (checked),

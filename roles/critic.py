@@ -11,19 +11,9 @@ from config import fixed_budget
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
 from roles.lora import apply_lora, value_head_name
-from roles.modeling import (
-    ReplicaSync,
-    UpdateMetrics,
-    disable_dropout,
-    join_rows,
-    load_value_model,
-    lr_factor,
-    make_optimizer,
-    micro_batches,
-    packable,
-    response_values,
-    train_mini_batches,
-)
+from roles.micro_batches import join_rows, micro_batches
+from roles.modeling import disable_dropout, load_value_model, packable, response_values
+from roles.update_loop import ReplicaSync, UpdateMetrics, lr_factor, make_optimizer, train_mini_batches
 
 
 class Critic:

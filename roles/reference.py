@@ -9,13 +9,14 @@ from batch import Batch
 from config import FIXED_MICRO_BATCH_TOKENS
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
-from roles.modeling import join_rows, load_causal_lm, micro_batches, packable, response_logits
+from roles.micro_batches import join_rows, micro_batches
+from roles.modeling import load_causal_lm, packable, response_logits
 
 
 class Reference:
     def __init__(self, path: str, cfg, pool: Pool, device: torch.device, micro_batch_tokens: int,
                  trust_remote_code: bool = False, pack_sequences: bool = False):
-        """cfg: config.ReferenceConfig; micro_batch_tokens and pack_sequences: the actor's (roles.modeling; auto
+        """cfg: config.ReferenceConfig; micro_batch_tokens and pack_sequences: the actor's (roles.micro_batches; auto
         unsized is the fixed budget)."""
         self.pool, self.micro_batch_tokens = pool, FIXED_MICRO_BATCH_TOKENS if micro_batch_tokens == "auto" else \
             micro_batch_tokens

@@ -13,7 +13,8 @@ from batch import Batch
 from parallel.distributed import reducer
 from parallel.fsdp import shard_model
 from parallel.layout import Pool
-from roles.modeling import join_values, last_token_values, load_value_model, micro_batches, packable
+from roles.micro_batches import join_values, micro_batches
+from roles.modeling import last_token_values, load_value_model, packable
 from tasks.rewards import RewardFunctionRunner
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from parallel.distributed import reducer
 from parallel.layout import Pool
-from roles.modeling import grad_norm_and_clip, lr_factor
 from roles.sft import encode_pairs
+from roles.update_loop import grad_norm_and_clip, lr_factor
 from rollout.api import ATTENTION_BACKENDS
 from tasks.data import MAX_CHARS_PER_TOKEN, PromptSampler, shard_indices, text_chars
 
@@ -154,7 +154,7 @@ def train_reward_model(model: nn.Module, train: list[Pair], held_out: list[Pair]
     """AdamW on batches of cfg.batch_size pairs drawn epoch by epoch (tasks.data.PromptSampler: the same batches for
     any number of ranks), each dp rank its block, the loss the batch's mean. emit(step, metrics) on every rank after
     every step: rm/loss, rm/accuracy, rm/margin/mean of the batch, rm/grad_norm, rm/lr (cfg.lr through warmup and
-    schedule, roles.modeling.lr_factor), and the held-out metrics at step 0,
+    schedule, roles.update_loop.lr_factor), and the held-out metrics at step 0,
     every cfg.eval_every steps and at the end (none without held-out pairs). Returns the last held-out metrics.
     cfg: config.RMConfig."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from parallel.distributed import reducer
 from parallel.layout import Pool
-from roles.modeling import grad_norm_and_clip
+from roles.update_loop import grad_norm_and_clip
 from tasks.data import render_prompts
 
 

@@ -8,7 +8,8 @@ import pytest
 from test_modeling import assert_packing_changes_nothing, random_batch
 from test_rollout_families import FAMILIES, tiny_model
 
-from roles.modeling import micro_batches, packable
+from roles.micro_batches import micro_batches
+from roles.modeling import packable
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -184,7 +184,8 @@ def test_planner_counts_base_and_adapters_as_allocated(tmp_path, role, dtype):
 
     import plan as P
     from roles.lora import apply_lora, value_head_name
-    from roles.modeling import load_causal_lm, load_value_model, make_optimizer
+    from roles.modeling import load_causal_lm, load_value_model
+    from roles.update_loop import make_optimizer
 
     path = tiny_model(tmp_path / "m")
     cfg = C.load_config(None, [f"model.path={path}", f"{role}.lora.rank=4", f"{role}.fsdp.param_dtype={dtype}",

@@ -11,24 +11,26 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 
 from algo.losses import logprobs_from_logits
 from batch import batch_size
-from roles.modeling import (
+from roles.micro_batches import (
     WIDTH_MULTIPLE,
-    at_response,
     balanced_groups,
-    disable_dropout,
-    forward,
-    grad_norm_and_clip,
     greedy_runs,
     join_rows,
-    last_token_values,
     length_groups,
     micro_batches,
     pack_rows,
+    token_groups,
+)
+from roles.modeling import (
+    at_response,
+    disable_dropout,
+    forward,
+    last_token_values,
     packed_rows,
     response_logits,
     response_values,
-    token_groups,
 )
+from roles.update_loop import grad_norm_and_clip
 
 
 def tiny_lm(seed: int = 0) -> torch.nn.Module:

@@ -1,8 +1,8 @@
 """The memory and placement planner (plan/, `train_ppo.py --plan`) against what the code really allocates:
 
-- parameter, gradient and optimizer bytes equal, to the byte, what roles/modeling's loaders and make_optimizer hold
-  after one optimizer step on the CPU, and (torchrun, 2 gloo ranks) what one rank holds under FSDP2 and under
-  tensor parallelism through parallel/fsdp.shard_model;
+- parameter, gradient and optimizer bytes equal, to the byte, what roles/modeling's loaders and
+  roles/update_loop.make_optimizer hold after one optimizer step on the CPU, and (torchrun, 2 gloo ranks) what one
+  rank holds under FSDP2 and under tensor parallelism through parallel/fsdp.shard_model;
 - an update's activations are within [0.95, 1.5] of the peak torch's memory profiler measures for a micro-batch
   through the actor's and the critic's real loss paths (gradients freed as FSDP2's reduce-scatter frees them);
 - the command line: a config that fits exits 0 with the table, one that does not names config keys that fix it
@@ -73,7 +73,8 @@ def plan_of(role, model_dir, tp=1, shard=1):
 @pytest.mark.parametrize("role,family,tied", [("actor", "qwen2", False), ("actor", "llama", True),
                                               ("critic", "qwen2", False)])
 def test_state_bytes_equal_what_one_cpu_step_allocates(tmp_path, role, family, tied):
-    from roles.modeling import load_causal_lm, load_value_model, make_optimizer
+    from roles.modeling import load_causal_lm, load_value_model
+    from roles.update_loop import make_optimizer
 
     path = tiny_model(tmp_path / "m", family=family, tie_word_embeddings=tied)
     model = (load_causal_lm if role == "actor" else load_value_model)(path)
@@ -92,7 +93,8 @@ def fsdp_worker(model_dir: str, out: str) -> None:
     from parallel.distributed import init_distributed
     from parallel.fsdp import shard_model
     from parallel.layout import build_layout
-    from roles.modeling import load_causal_lm, load_value_model, make_optimizer
+    from roles.modeling import load_causal_lm, load_value_model
+    from roles.update_loop import make_optimizer
 
     init_distributed("gloo", device="cpu")
     results = {}
@@ -153,7 +155,7 @@ def measured_update_peak(model, micro_batch, kind, trace) -> int:
 @pytest.mark.parametrize("kind,checkpointing,vocab", [("lm", False, 2048), ("lm", True, 2048), ("lm", False, 256),
                                                       ("value", False, 256)])
 def test_activations_within_the_stated_factor_of_the_measured_peak(tmp_path, kind, checkpointing, vocab):
-    from roles.modeling import micro_batches
+    from roles.micro_batches import micro_batches
 
     path = tiny_model(tmp_path / "m", vocab_size=vocab, hidden_size=128, num_layers=4, intermediate_size=352,
                       max_position_embeddings=256, weights=False)

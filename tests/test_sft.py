@@ -149,7 +149,7 @@ def test_run_folder_eval_schedule_and_ctrl_c_then_resume_reach_the_uninterrupted
     from safetensors.torch import load_file
 
     import train_sft
-    from roles.modeling import lr_factor
+    from roles.update_loop import lr_factor
 
     tiny(tmp_path, TURNS)
     (tmp_path / "eval.jsonl").write_text(json.dumps(TRL_RECORDS[3]) + "\n")

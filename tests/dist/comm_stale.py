@@ -1,9 +1,9 @@
-"""One-step-stale replica all-reduce (parallel/comm/stale_allreduce.StaleAllReduce through roles/modeling.ReplicaSync)
-under torchrun, 4 gloo processes: on a small regression with 4 replicas (no DDP, no FSDP), the gradients installed at
-step t are the synchronous average of step t-1's gradients bit for bit, a non-finite gradient is skipped one step later
-on every replica, flush() changes nothing, and the final loss matches synchronous averaging; on HSDP 2x2 (FSDP2 over
-dp_shard, DTensor shards) the same contract holds for every parameter, in one bucket or many, and the replicas stay
-identical. Launched by tests/test_comm.py; prints 'PASS <check>'."""
+"""One-step-stale replica all-reduce (parallel/comm/stale_allreduce.StaleAllReduce through
+roles/update_loop.ReplicaSync) under torchrun, 4 gloo processes: on a small regression with 4 replicas (no DDP, no
+FSDP), the gradients installed at step t are the synchronous average of step t-1's gradients bit for bit, a non-finite
+gradient is skipped one step later on every replica, flush() changes nothing, and the final loss matches synchronous
+averaging; on HSDP 2x2 (FSDP2 over dp_shard, DTensor shards) the same contract holds for every parameter, in one bucket
+or many, and the replicas stay identical. Launched by tests/test_comm.py; prints 'PASS <check>'."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from parallel.comm import GradCompression, StaleAllReduce, allreduce_replicas
 from parallel.distributed import init_distributed
 from parallel.fsdp import shard_model
 from parallel.layout import build_layout
-from roles.modeling import ReplicaSync, grad_norm_and_clip
+from roles.update_loop import ReplicaSync, grad_norm_and_clip
 from tests.dist.report import run_worker, say
 
 STEPS, NAN_STEP, FLUSH_STEP, LR = 150, 50, 75, 0.1

@@ -15,7 +15,8 @@ from parallel.distributed import init_distributed
 from parallel.fsdp import compile_blocks, shard_model
 from parallel.layout import build_layout
 from parallel.transfer import transfer
-from roles.modeling import micro_batches, packed_rows, response_logits, trim
+from roles.micro_batches import micro_batches, trim
+from roles.modeling import packed_rows, response_logits
 from tests.dist.report import run_worker, say
 
 

@@ -21,7 +21,8 @@ from parallel.distributed import init_distributed, reducer
 from parallel.layout import build_layout
 from roles.actor import Actor
 from roles.critic import Critic
-from roles.modeling import micro_batches, packed_rows
+from roles.micro_batches import micro_batches
+from roles.modeling import packed_rows
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.tiny_model import save_tiny_model
 from tests.dist.report import run_worker, say
