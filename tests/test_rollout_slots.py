@@ -315,24 +315,30 @@ def test_gumbel_sampling_follows_the_truncated_distribution():
     assert abs(torch.corrcoef(torch.stack([big[:-1].flatten(), big[1:].flatten()]))[0, 1]) < 0.01
 
 
-def test_compiled_pieces_outlive_dynamos_default_recompile_limit(monkeypatch):
+def test_compiled_pieces_outlive_dynamos_default_recompile_limit():
     """One process meets many variants of each decode piece (engines, sampling settings); under fullgraph=True the
     variant past Dynamo's recompile limit is an error (the CUDA test of the kernels hit it, behind the other engines
     of its process). Pieces compiled by slots.compile_piece take RECOMPILE_LIMIT variants."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default; restored after the test
-    variants = [f"v{i}" for i in range(12)]  # a str argument is a constant: every value is its own variant
+    # set and put back by hand: monkeypatch's undo of an attribute of torch's config module leaves it deleted, and a
+    # later test in the process that reads it fails ("recompile_limit does not exist")
+    before = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 8  # the default
+    try:
+        variants = [f"v{i}" for i in range(12)]  # a str argument is a constant: every value is its own variant
 
-    def piece(x: torch.Tensor, mode: str) -> torch.Tensor:
-        return x * len(mode) if mode.startswith("v") else x
+        def piece(x: torch.Tensor, mode: str) -> torch.Tensor:
+            return x * len(mode) if mode.startswith("v") else x
 
-    x = torch.ones(3)
-    torch._dynamo.reset()
-    plain = torch.compile(piece, fullgraph=True, backend="eager")
-    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-        for mode in variants:
-            plain(x, mode)
-    torch._dynamo.reset()
-    ours = slots.compile_piece(piece, backend="eager")
-    assert [float(ours(x, mode)[0]) for mode in variants] == [float(len(mode)) for mode in variants]
-    assert torch._dynamo.config.recompile_limit == slots.RECOMPILE_LIMIT
-    torch._dynamo.reset()
+        x = torch.ones(3)
+        torch._dynamo.reset()
+        plain = torch.compile(piece, fullgraph=True, backend="eager")
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            for mode in variants:
+                plain(x, mode)
+        torch._dynamo.reset()
+        ours = slots.compile_piece(piece, backend="eager")
+        assert [float(ours(x, mode)[0]) for mode in variants] == [float(len(mode)) for mode in variants]
+        assert torch._dynamo.config.recompile_limit == slots.RECOMPILE_LIMIT
+        torch._dynamo.reset()
+    finally:
+        torch._dynamo.config.recompile_limit = before
