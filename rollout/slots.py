@@ -98,8 +98,10 @@ class SlotEngine:
     of the same shapes captures nothing and allocates nothing. The weights are then the engine's own buffers (the
     stacked q/k/v and gate/up, and, when FSDP2 shards the model, a copy of every parameter: FSDP2 unshards into new
     storage each time), refilled from the parameters by load_weights or at the start of each call; the memory stays
-    held between calls (through training). A call of other shapes (sequences, response length, sampling settings,
-    a longer slot) replaces the kept run.
+    held between calls (through training). A call the kept run fits (as many sequences or fewer, responses as long
+    or shorter, slots as long, the same sampling settings) reuses it; any other replaces it. A call with
+    SamplingParams.continues may start its prompts with what the last call's sequences left in their slots (their
+    prompts and responses): those slots are kept and only the rest of each prompt is prefilled (_extend).
     """
 
     def __init__(
