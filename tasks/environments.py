@@ -18,8 +18,8 @@ in a ToolEnvironment: a turn with `<tool_call>{"name": ..., "arguments": {...}}<
 Qwen format) gets one tool message per call back; a turn without one ends the episode (its text is the answer).
 
 Everything user-made runs in spawned worker processes that import the user's modules from the user's paths (as the
-reward workers do, tasks/rewards.py): an environment that raises, returns something malformed, hangs past
-`timeout_s` or kills its process ends its episode with reward 0 and is counted; the trainer goes on.
+reward workers do; both through tasks/worker_processes.py): an environment that raises, returns something malformed,
+hangs past `timeout_s` or kills its process ends its episode with reward 0 and is counted; the trainer goes on.
 """
 
 from __future__ import annotations
@@ -38,14 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
-from tasks.rewards import (
-    START_TIMEOUT_S,
-    _main_script_hidden,
-    _user_sys_path,
-    enter_worker,
-    load_reward_function,
-    stop_worker,
-)
+from tasks.reward_functions import load_reward_function
+from tasks.worker_processes import START_TIMEOUT_S, _main_script_hidden, _user_sys_path, enter_worker, stop_worker
 
 logger = logging.getLogger("meshrl")
 MAX_TOOL_RESULT_CHARS = 4000  # a tool's output beyond this is cut (a model's context is not a log file)

@@ -1,340 +1,36 @@
-"""Function rewards: built-in answer matchers and user functions, the latter run in worker processes.
+"""Function rewards scored for the trainer: builtins in this process, user functions in spawned worker processes
+(RewardFunctionRunner), with their failures and timeouts counted. What a reward function is, its spec and its
+conventions: tasks/reward_functions.py; the worker processes' start and stop: tasks/worker_processes.py.
 
-Three conventions are accepted, told apart by the function's signature (see `reward_convention`):
-- meshrl's per-sample `f(response: str, ground_truth: str | None, prompt: str) -> float`;
-- TRL's batched `f(completions: list[str], prompts=..., **columns) -> list[float | None]`, called once per worker
-  with its share of the step's samples (a timeout or an error costs that share), every data column as a keyword list
-  (`ground_truth` under its column name, `data_source`, anything the file has), `completion_ids`, and on chat
-  prompts the messages as `prompts` and conversational completions; None: the function does not apply (TRL's);
-- verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict` (a dict's "score").
-`prompt` is the prompt as the model saw it (chat template applied). Name one with a spec: "gsm8k", "exact_match",
-"module.path:function" for a user function importable from this process's sys.path, or "path/to/file.py:function".
-
-This module imports only the standard library, so the spawned workers that import it start fast.
+This module imports only the standard library (the two tasks modules above, which do too), so the spawned workers
+that import it start fast.
 """
 
-import contextlib
-import importlib
-import importlib.machinery
-import importlib.util
-import inspect
 import logging
-import math
 import multiprocessing
-import numbers
-import os
-import re
-import signal
-import sys
-import threading
 import time
 import traceback
-import types
 from collections import deque
-from collections.abc import Callable, Sequence
-from decimal import Decimal
+from collections.abc import Sequence
 from multiprocessing.connection import wait
 
+from tasks.reward_functions import (
+    BUILTIN_REWARDS,
+    _check_spec,
+    _score_and_extras,
+    bind_reward,
+    load_reward_function,
+    reward_convention,
+)
+from tasks.worker_processes import (
+    START_TIMEOUT_S,
+    _main_script_hidden,
+    _user_sys_path,
+    enter_worker,
+    stop_worker,
+)
+
 logger = logging.getLogger("meshrl")
-
-# A worker imports the user's module (not the main script: _main_script_hidden); a generous bound still catches
-# a hang.
-START_TIMEOUT_S = 120.0
-
-# A number with optional sign, dollar sign and thousands commas; trailing "." and "," are never part of it.
-_NUMBER = re.compile(r"(-?)\$?(-?)((?:\d[\d,]*)?\.?\d+)")
-
-
-def _numbers(text: str) -> list[Decimal]:
-    found = []
-    for sign_before, sign_after, digits in _NUMBER.findall(text):
-        value = Decimal(digits.replace(",", ""))
-        found.append(-value if sign_before or sign_after else value)
-    return found
-
-
-def extract_final_number(text: str) -> Decimal | None:
-    """The answer a GSM8K-style text ends with: the first number after the last "####" if there is one there,
-    otherwise the last number in the text; None when the text has no number."""
-    _, marker, after = text.rpartition("####")
-    if marker:
-        after_marker = _numbers(after)
-        if after_marker:
-            return after_marker[0]
-    found = _numbers(text)
-    return found[-1] if found else None
-
-
-def gsm8k_match(response: str, ground_truth: str | None, prompt: str = "") -> float:
-    """1.0 when the response's final number equals the ground truth's numerically ("1,000.0" matches "1000").
-
-    `prompt` is unused; it is accepted so all reward functions share one signature.
-    """
-    if ground_truth is None:
-        raise ValueError("the gsm8k reward needs a ground truth for every prompt; the data has none")
-    expected = extract_final_number(ground_truth)
-    if expected is None:
-        raise ValueError(f"the gsm8k reward needs a number in the ground truth, got {ground_truth!r}")
-    return 1.0 if extract_final_number(response) == expected else 0.0
-
-
-def exact_match(response: str, ground_truth: str | None, prompt: str = "") -> float:
-    """1.0 when response and ground truth are equal after stripping surrounding whitespace. `prompt` is unused."""
-    if ground_truth is None:
-        raise ValueError("the exact_match reward needs a ground truth for every prompt; the data has none")
-    return 1.0 if response.strip() == ground_truth.strip() else 0.0
-
-
-BUILTIN_REWARDS: dict[str, Callable[..., float]] = {"gsm8k": gsm8k_match, "exact_match": exact_match}
-
-
-def _check_spec(spec: str, what: str = "reward function") -> tuple[str, str]:
-    """(module or .py file, function) of a "module.path:function" or "path/to/file.py:function" spec (verl's
-    custom_reward_function.path); ValueError for anything else, and for a file that is not there. `what` names the
-    spec's kind in the message ("reward function", "environment", "tool")."""
-    module_name, colon, function_name = spec.rpartition(":")
-    if not module_name.endswith(".py"):
-        module_name, colon, function_name = spec.partition(":")
-    if not (colon and module_name and function_name.isidentifier()):
-        builtins = f"one of {sorted(BUILTIN_REWARDS)}, " if what == "reward function" else ""
-        raise ValueError(
-            f"{what} spec {spec!r} is not valid; use {builtins}'module.path:function' or 'path/to/file.py:function'"
-        )
-    if module_name.endswith(".py") and not os.path.isfile(module_name):
-        raise ValueError(f"{what} {spec!r}: no file {os.path.abspath(module_name)}")
-    return module_name, function_name
-
-
-def _import_file(path: str):
-    """The module of a .py file, its folder first on sys.path so that the modules beside it (its own config.py) are
-    the ones it imports."""
-    path = os.path.abspath(path)
-    folder = os.path.dirname(path)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    name = os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # as an import would: dataclasses and pickling look the module up by name
-    module_spec.loader.exec_module(module)
-    return module
-
-
-def load_reward_function(spec: str, what: str = "reward function") -> Callable[[str, str | None, str], float]:
-    """The function a spec names: a builtin ("gsm8k", "exact_match"), "module.path:function" or
-    "path/to/file.py:function". `what` names it in errors (environments and tools are loaded so too)."""
-    if what == "reward function" and spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    module_name, function_name = _check_spec(spec, what)
-    if module_name.endswith(".py"):
-        module = _import_file(module_name)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            hint = ""
-            if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
-                top = module_name.partition(".")[0]
-                hint = (f". The folder that holds {top!r} is not on the path: start with PYTHONPATH=that/folder "
-                        f"(PYTHONPATH=. from there), or name the file: 'path/to/{module_name.replace('.', '/')}.py:"
-                        f"{function_name}'")
-            raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}: {e}{hint}") from e
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(
-            f"{what} {spec!r}: module {module_name!r} has no function {function_name!r}; "
-            f"its public callables are {available}"
-        )
-    return function
-
-
-CONVENTIONS = ("meshrl", "trl", "verl")
-SIGNATURES = ("meshrl: f(response, ground_truth, prompt) -> float; TRL: f(completions, prompts=None, **columns) -> "
-              "list[float]; verl: compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float")
-
-
-def reward_convention(function: Callable, spec: str) -> str:
-    """Which of CONVENTIONS `function` follows, from its parameters; ValueError naming the signature otherwise."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):  # a builtin without a signature: assume ours
-        return "meshrl"
-    names = list(signature.parameters)
-    if "solution_str" in names:
-        return "verl"
-    if names[:1] == ["completions"]:
-        return "trl"
-    try:
-        signature.bind("", None, "")
-    except TypeError:
-        raise ValueError(f"reward function {spec!r} has the signature {function.__name__}{signature}, which none "
-                         f"of the accepted conventions has; {SIGNATURES}") from None
-    return "meshrl"
-
-
-def bind_reward(function: Callable, convention: str) -> Callable[..., list]:
-    """`call(responses, ground_truths, prompts, columns, extras, state=None)`: the rewards of a chunk of samples under
-    `convention`, one per sample (columns: each sample's other data columns by name; extras: "messages", the prompt's
-    chat messages when it was given as such, and "completion_ids", the response's token ids; state: TRL's
-    trainer_state fields; the last two for TRL's functions).
-    A TRL-style function gets the whole chunk in one call, as TRL calls it; the others one sample at a time. The
-    keywords a TRL or verl function accepts are read once, here, not per sample."""
-    if convention == "meshrl":
-        return lambda responses, ground_truths, prompts, columns, extras, state=None: [
-            function(*args) for args in zip(responses, ground_truths, prompts)]
-    accepted = inspect.signature(function).parameters
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-
-    def keywords(given: dict) -> dict:
-        return {k: v for k, v in given.items() if takes_all or k in accepted}
-
-    def verl(responses, ground_truths, prompts, columns, extras, state=None):
-        outs = [function(**keywords({"data_source": c.get("data_source"), "solution_str": response,
-                                     "ground_truth": ground_truth, "extra_info": c.get("extra_info")}))
-                for response, ground_truth, c in zip(responses, ground_truths, columns)]
-        return outs  # a dict's "score" and its other numbers: _score_and_extras
-
-    def trl(responses, ground_truths, prompts, columns, extras, state=None):
-        extras = [e or {} for e in extras]
-        names = dict.fromkeys(k for c in columns for k in c)
-        given = {**{k: [c.get(k) for c in columns] for k in names}, "ground_truth": list(ground_truths),
-                 "prompts": [p if e.get("messages") is None else e["messages"] for p, e in zip(prompts, extras)]}
-        if all(e.get("completion_ids") is not None for e in extras):
-            given["completion_ids"] = [e["completion_ids"] for e in extras]
-        if state is not None:  # TRL's TrainerState, as far as meshrl has its fields: trainer_state.global_step
-            given["trainer_state"] = types.SimpleNamespace(**state)
-        # conversational data gets TRL's conversational completions: c[0]["content"]
-        completions = [r if e.get("messages") is None else [{"role": "assistant", "content": r}]
-                       for r, e in zip(responses, extras)]
-        out = function(completions, **keywords(given))
-        if not isinstance(out, (list, tuple)) or len(out) != len(completions):
-            raise TypeError(f"a TRL-style reward function returns one score per completion; for "
-                            f"{len(completions)} it returned {out!r:.200}")
-        return [NOT_APPLICABLE if v is None else v for v in out]
-
-    return verl if convention == "verl" else trl
-
-
-# what a TRL-style function's None (TRL: "this function does not apply to this sample") becomes: no part of the
-# sample's reward, not an error
-NOT_APPLICABLE = float("nan")
-
-
-def _as_score(value: object) -> float:
-    if value is NOT_APPLICABLE:
-        return value
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"the reward function returned {value!r:.200} ({type(value).__name__}), not a number")
-    score = float(value)
-    if not math.isfinite(score):
-        raise ValueError(f"the reward function returned {score}, not a finite number")
-    return score
-
-
-MAX_TEXT_EXTRA_CHARS = 200  # a dict's text (verl's `pred`) is kept this long, for the eval samples
-
-
-def _score_and_extras(value: object) -> tuple[float, dict[str, float | str]]:
-    """(score, the other values) of a result: a verl-style dict gives its "score", its other finite numbers (`acc`,
-    ...: verl's reward_extra_info, logged as metrics) and its texts (`pred`, cut to MAX_TEXT_EXTRA_CHARS: kept in the
-    eval samples); anything else is the score alone."""
-    if not isinstance(value, dict):
-        return _as_score(value), {}
-    if "score" not in value:
-        raise KeyError(f"a compute_score dict needs a 'score'; it had {sorted(value)}")
-    extras: dict[str, float | str] = {}
-    for k, v in value.items():
-        if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v)):
-            extras[str(k)] = float(v)
-        elif k != "score" and isinstance(v, str):
-            extras[str(k)] = v[:MAX_TEXT_EXTRA_CHARS]
-    return _as_score(value["score"]), extras
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A worker busy in a user function never reads its pipe, so it would not see its trainer die (SIGKILL): poll."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    _end_own_group()
-
-
-def _end_own_group(*_) -> None:
-    """End this worker and every process in its group (what the user's module started, at import or in a call):
-    nothing a reward function spawned outlives the run."""
-    try:
-        os.killpg(0, signal.SIGKILL)
-    finally:
-        os._exit(0)
-
-
-# meshrl's top-level folder: its modules (config, tasks, algo, batch, plan, monitor, checkpoint, ...) have names a
-# user's reward folder may have too
-_MESHRL_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-
-
-def _user_sys_path(spec: str) -> list[str]:
-    """The workers' sys.path: this process's, less meshrl's top-level folder where it is there only because Python
-    put the folder of the script it runs (train_ppo.py) first, so that a user's `config.py` or `tasks/` is not
-    hidden by ours. A user who names that folder in PYTHONPATH keeps it in place; a spec whose module the user's
-    path does not have (meshrl's own, as `tasks.synthetic:addition_reward`) finds it there last."""
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not main_file or os.path.dirname(os.path.realpath(main_file)) != _MESHRL_ROOT:
-        return list(sys.path)
-    named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    if _MESHRL_ROOT in named:
-        return list(sys.path)
-    paths = [p for p in sys.path if os.path.realpath(p or os.curdir) != _MESHRL_ROOT]
-    module_name = _check_spec(spec)[0]
-    if not module_name.endswith(".py") and importlib.machinery.PathFinder.find_spec(
-            module_name.partition(".")[0], paths) is None:
-        paths.append(_MESHRL_ROOT)
-    return paths
-
-
-def _forget_meshrl_modules() -> None:
-    """Drop what spawn imported of meshrl to start a worker (`tasks`, `tasks.rewards`) from sys.modules, so that the
-    user's module of the same name is imported from the user's path."""
-    ours = set()
-    for name in {n.partition(".")[0] for n in sys.modules}:
-        path = os.path.realpath(getattr(sys.modules.get(name), "__file__", None) or os.devnull)
-        if path in (os.path.join(_MESHRL_ROOT, name + ".py"), os.path.join(_MESHRL_ROOT, name, "__init__.py")):
-            ours.add(name)
-    for name in [n for n in sys.modules if n.partition(".")[0] in ours]:
-        del sys.modules[name]
-
-
-def enter_worker(sys_path: list[str], specs: Sequence[str]) -> None:
-    """What a spawned worker of user code (a reward function's, an environment's) does first: ignore Ctrl-C, lead a
-    process group of its own, end with its parent, and import the user's modules from the user's paths."""
-    # Ctrl-C reaches the whole process group; the parent decides how to shut down, the workers just get stopped.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a group of its own, which the processes the user's module starts join: stop() and the parent's end take it all
-    os.setpgrp()
-    signal.signal(signal.SIGTERM, _end_own_group)  # multiprocessing's atexit terminates daemon workers so
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    sys.path[:] = sys_path
-    if not any(spec.partition(":")[0] in ("__main__", "__mp_main__") for spec in specs):
-        _forget_meshrl_modules()
-
-
-def stop_worker(process, conn, idle: bool) -> None:
-    """End a worker and every process in its group (what the user's code started); an idle one is first asked to
-    exit on its own."""
-    if idle:
-        try:
-            conn.send(None)
-        except OSError:
-            pass
-        process.join(timeout=1.0)
-    try:  # the worker's group: the worker (if still alive) and what the user's module started
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # none left, or the worker had not made its group yet
-        pass
-    if process.is_alive():
-        process.kill()
-    process.join()
-    conn.close()
 
 
 def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
@@ -363,30 +59,6 @@ def _worker_main(conn, spec: str, sys_path: list[str]) -> None:
             conn.send(("failed", indices, traceback.format_exc()))
         else:
             conn.send(("scored", indices, results))
-
-
-_MAIN_HIDDEN_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_script_hidden(spec: str):
-    """Start a spawned process without it running the main script: spawn makes the child import the parent's
-    `__main__` from its file (train_ppo.py: torch, transformers, every role; seconds of CPU and hundreds of MB per
-    worker), which a worker needs only when the reward function lives there ("__main__:f"). The child reads the
-    script's path from `__main__.__file__` / `__spec__` when the process starts; they are put back right after."""
-    main = sys.modules.get("__main__")
-    if main is None or spec.partition(":")[0] in ("__main__", "__mp_main__"):
-        yield
-        return
-    with _MAIN_HIDDEN_LOCK:  # two runners starting workers from two threads must not save each other's hidden state
-        saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
-        main.__dict__.pop("__file__", None)
-        main.__spec__ = None  # spawn reads it unguarded; None (a script) with no file: nothing to import
-        try:
-            yield
-        finally:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
 
 
 class _Worker:

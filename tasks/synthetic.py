@@ -1,4 +1,5 @@
-"""The quickstart's synthetic task: integer addition ("12+34=" -> "46"), scored by `tasks.rewards.gsm8k_match`.
+"""The quickstart's synthetic task: integer addition ("12+34=" -> "46"), scored by
+`tasks.reward_functions.gsm8k_match`.
 
 Small enough that a model of ~100k parameters learns it on a CPU in minutes with 1-2 digit operands; raise
 `digits` to make it harder. Everything is a pure function of the seed.

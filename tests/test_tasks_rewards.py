@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.rewards import RewardFunctionRunner, exact_match, gsm8k_match, load_reward_function
+from tasks.reward_functions import exact_match, gsm8k_match, load_reward_function
+from tasks.rewards import RewardFunctionRunner
 from tests import user_rewards
 
 ROOT = Path(__file__).resolve().parent.parent

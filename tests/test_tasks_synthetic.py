@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tasks.char_tokenizer import DEFAULT_CHARS, SPECIAL_TOKENS, build_char_tokenizer, load_tokenizer
 from tasks.data import PromptDataset, load_prompt_records, load_sft_records
-from tasks.rewards import gsm8k_match
+from tasks.reward_functions import gsm8k_match
 from tasks.synthetic import make_addition_split, write_addition_dataset
 from tasks.tiny_model import build_tiny_causal_lm, save_tiny_model
 
