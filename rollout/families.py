@@ -2,9 +2,9 @@
 
 A description says where a decoder block's weights live in the Hugging Face module (paths under `model.layers[i]`),
 how its RMSNorms compute, the MLP's activation, the q/k norms, the attention's scale, the embeddings' scale and, per
-layer, the rotary table and the attention window. rollout/model_weights.py reads a model through its family's description
-(read_weights) into family-agnostic weights, a Form (model-wide numerics) and a LayerSpec per layer; the slot engine
-and the Triton kernels see only those. A new family is a description here and a test
+layer, the rotary table and the attention window. rollout/model_weights.py reads a model through its family's
+description (read_weights) into family-agnostic weights, a Form (model-wide numerics) and a LayerSpec per layer;
+the slot engine and the Triton kernels see only those. A new family is a description here and a test
 (tests/test_rollout_families.py builds a random-init model of each from transformers' own config class and checks
 greedy tokens against HF `generate` and the engine's log-probs against the teacher-forced ones).
 
@@ -49,9 +49,9 @@ def _head_dim(config) -> int:
 @dataclass(frozen=True)
 class Fused:
     """A weight the checkpoint holds inside a fused one: part `part` of the rows of the weight at `path`, which stacks
-    parts of sizes(config) rows (Phi-3: q | k | v in qkv_proj, gate | up in gate_up_proj). rollout/model_weights.py reads
-    it as a view of those rows, or under tensor parallelism (parallel/tp.py stores the fused weight split by rows)
-    gathers the weight and takes this rank's share of the part."""
+    parts of sizes(config) rows (Phi-3: q | k | v in qkv_proj, gate | up in gate_up_proj).
+    rollout/model_weights.py reads it as a view of those rows, or under tensor parallelism (parallel/tp.py stores
+    the fused weight split by rows) gathers the weight and takes this rank's share of the part."""
 
     path: str
     part: int
@@ -193,7 +193,8 @@ def family_of(model: nn.Module) -> Family | None:
 
 def parameter(block: nn.Module, path: str | Fused, config=None) -> torch.Tensor | None:
     """The tensor at `path` under `block` ("self_attn.q_proj.bias"), or None where a module has none (no bias);
-    a Fused path gives its view of the fused weight's rows (of a whole weight: rollout/model_weights.py reads split ones)."""
+    a Fused path gives its view of the fused weight's rows (of a whole weight: rollout/model_weights.py reads split
+    ones)."""
     if isinstance(path, Fused):
         fused = parameter(block, path.path)
         return None if fused is None else fused.split(path.sizes(config))[path.part]
