@@ -105,7 +105,7 @@ def main() -> None:
     from attention_kernel import MODELS, inputs
     from sample_kernel import VOCAB, sample_inputs
 
-    from rollout import kernels
+    from rollout import kernels, sample_kernels
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -132,9 +132,9 @@ def main() -> None:
             logits, seed, keys, steps = sample_inputs(rows, vocab, device)
 
             def make_call(logits=logits, seed=seed, keys=keys, steps=steps):
-                return partial(kernels.sample_tokens_impl, logits, 1.0, seed, keys, steps, None, None)
+                return partial(sample_kernels.sample_tokens_impl, logits, 1.0, seed, keys, steps, None, None)
 
-            sweep(kernels, kernels._sample_chunk, SAMPLING, make_call,
+            sweep(sample_kernels, sample_kernels._sample_chunk, SAMPLING, make_call,
                   lambda out, want: torch.equal(out[0], want[0]) and torch.allclose(out[1], want[1], atol=1e-4),
                   f"sampling {rows} x {vocab}", cuda)
 

@@ -1,7 +1,8 @@
-"""The decode step's sampling kernel alone on a GPU: microseconds per call of rollout/kernels.sample_tokens_impl over
-bfloat16 logits [rows, 151936] (Qwen2.5's vocabulary) at the engine's batch sizes, for several chunk counts (the
+"""The decode step's sampling kernel alone on a GPU: microseconds per call of rollout/sample_kernels.sample_tokens_impl
+over bfloat16 logits [rows, 151936] (Qwen2.5's vocabulary) at the engine's batch sizes, for several chunk counts (the
 programs per row), against the PyTorch form of the same draw (rollout/sampling.sample_with_noise) and, with
---baseline FILE, another version of rollout/kernels.py (say `git show REV:rollout/kernels.py > old_kernels.py`).
+--baseline FILE, another version of the kernel: rollout/sample_kernels.py, or rollout/kernels.py before the sampling
+kernel moved out of it (say `git show REV:rollout/kernels.py > old_kernels.py`).
 CUDA-graph replays timed by triton.testing.do_bench_cudagraph; every variant's tokens checked against the PyTorch
 form's.
 
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from rollout import kernels  # noqa: E402
+from rollout import sample_kernels  # noqa: E402
 from rollout.sampling import gumbel_noise, sample_with_noise  # noqa: E402
 
 VOCAB = 151936
@@ -63,7 +64,7 @@ def bench_rows(rows: int, args, baseline, device) -> None:
     want = torch_form(*inputs, **cut)[0]
     base_us = do_bench_cudagraph(partial(torch_form, *inputs, **cut), rep=200) * 1e3
     print(f"| {rows} | PyTorch form | - | {base_us:.1f} | 1.00x |", flush=True)
-    for label, module in [("this tree", kernels)] + ([("baseline", baseline)] if baseline else []):
+    for label, module in [("this tree", sample_kernels)] + ([("baseline", baseline)] if baseline else []):
         for chunks in args.chunks:
             fn = partial(module.sample_tokens_impl, *inputs, None, None, chunks, **cut)
             same = "" if torch.equal(fn()[0], want) else " (TOKENS DIFFER)"

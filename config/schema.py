@@ -178,8 +178,8 @@ class RolloutConfig:
     # copy of the whole model) between rollouts: no graph capture after the first rollout of a shape, the memory held
     # through training
     resident: bool = True
-    # the decode step's attention and sampling: auto = rollout/kernels.py's Triton kernels where they run (CUDA,
-    # Triton, head_dim a power of 2), else PyTorch's; triton = the kernels or an error
+    # the decode step's attention and sampling: auto = the Triton kernels (rollout/kernels.py, sample_kernels.py)
+    # where they run (CUDA, Triton, head_dim a power of 2), else PyTorch's; triton = the kernels or an error
     decode_kernels: Literal["auto", "triton", "torch"] = "auto"
     # the vLLM engine: ranks per engine (contiguous), what sleeping between rollouts frees (1: the KV cache, weights
     # kept in host memory; 2: both), and the start-up check's bound on the mean |vLLM - actor| log-prob gap

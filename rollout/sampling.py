@@ -11,7 +11,7 @@ def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torc
     with it included). top_p: keep the tokens whose mass above them (the probability, after the top-k cut and
     renormalised, of the tokens strictly larger) is below top_p: the smallest set of most likely tokens whose
     probability reaches top_p, with every token tied with its last one (so the set does not depend on how a sort
-    orders ties); the most likely token is always kept. rollout/kernels.sample_tokens_impl keeps the same sets.
+    orders ties); the most likely token is always kept. rollout/sample_kernels.sample_tokens_impl keeps the same sets.
     Returns [N, V], a new tensor.
     """
     vocab = logits.size(-1)

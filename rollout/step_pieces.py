@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rollout import kernels
+from rollout import sample_kernels
 from rollout.decoder import rms_norm, soft_cap
 from rollout.model_weights import Form
 from rollout.sampling import gumbel_noise, sample_with_noise
@@ -76,7 +76,7 @@ def sample_and_record(
     gen, seq, live = state.gen[rows], state.seq[rows], state.live[rows]
     ban = stop_mask is not None and min_new_tokens > 0
     if kernel_sampling:
-        tokens, logprobs = kernels.sample_tokens(logits, temperature, seed, seq, gen, stop_mask if ban else None,
+        tokens, logprobs = sample_kernels.sample_tokens(logits, temperature, seed, seq, gen, stop_mask if ban else None,
                                                  gen < min_new_tokens if ban else None, top_k, top_p)
     else:
         banned = (gen < min_new_tokens)[:, None] & stop_mask[None, :] if ban else None

@@ -89,24 +89,24 @@ def test_kernel_sweep_times_each_setting_and_restores_the_defaults(capsys):
         sys.path.remove(str(ROOT / "bench"))
     import torch
 
-    from rollout import kernels
+    from rollout import sample_kernels
 
-    before = kernels.BLOCK_V, kernels.SAMPLE_WARPS
+    before = sample_kernels.BLOCK_V, sample_kernels.SAMPLE_WARPS
     logits = (torch.randn(3, 3000, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
     seed, keys, steps = torch.tensor([5], dtype=torch.int32), torch.arange(3), torch.zeros(3, dtype=torch.long)
 
     def make_call():
-        return lambda: kernels.sample_tokens_impl(logits, 1.0, seed, keys, steps, None, None)
+        return lambda: sample_kernels.sample_tokens_impl(logits, 1.0, seed, keys, steps, None, None)
 
-    space = {"BLOCK_V": [256, 3, kernels.BLOCK_V], "SAMPLE_WARPS": [kernels.SAMPLE_WARPS]}
-    kernel_sweep.sweep(kernels, kernels._sample_chunk, space, make_call, lambda out, want: torch.equal(out[0], want[0]),
-                       "tiny", cuda=False)
+    space = {"BLOCK_V": [256, 3, sample_kernels.BLOCK_V], "SAMPLE_WARPS": [sample_kernels.SAMPLE_WARPS]}
+    kernel_sweep.sweep(sample_kernels, sample_kernels._sample_chunk, space, make_call,
+                       lambda out, want: torch.equal(out[0], want[0]), "tiny", cuda=False)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 3, rows
-    assert f"BLOCK_V={kernels.BLOCK_V} SAMPLE_WARPS={kernels.SAMPLE_WARPS} (defaults)" in rows[0]
+    assert f"BLOCK_V={sample_kernels.BLOCK_V} SAMPLE_WARPS={sample_kernels.SAMPLE_WARPS} (defaults)" in rows[0]
     assert "BLOCK_V=256" in rows[1] and rows[1].endswith("| yes |"), rows[1]
     assert "BLOCK_V=3" in rows[2] and "| failed:" in rows[2], rows[2]
-    assert (kernels.BLOCK_V, kernels.SAMPLE_WARPS) == before
+    assert (sample_kernels.BLOCK_V, sample_kernels.SAMPLE_WARPS) == before
 
 
 def test_real_model_bench_parses_its_arguments():

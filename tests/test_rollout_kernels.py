@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import config as C
-from rollout import kernels
+from rollout import kernels, sample_kernels
 from rollout.native import NativeEngine, SamplingParams
 from rollout.sampling import gumbel_noise, sample_with_noise
 
@@ -328,7 +328,7 @@ def test_sample_tokens_draws_as_the_pytorch_form(temperature, chunks, ban):
     noise = gumbel_noise(seed, keys, steps, vocab) if temperature > 0 else None
     want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, banned, noise)
     args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
-    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:],
+    tokens, logprobs = sample_kernels.sample_tokens_impl(args[0], temperature, *args[1:],
                                                   stop.to(DEVICE) if ban else None,
                                                   banned_rows.to(DEVICE) if ban else None, chunks)
     assert torch.equal(tokens.cpu(), want_tokens)
@@ -361,7 +361,7 @@ def test_sample_tokens_with_top_k_and_top_p_draws_as_the_pytorch_form(top_k, top
     if top_p < 0.5:
         assert (untruncated != want_tokens).sum() >= rows // 2  # the first picks mostly lie outside the nucleus
     args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
-    tokens, logprobs = kernels.sample_tokens_impl(
+    tokens, logprobs = sample_kernels.sample_tokens_impl(
         args[0], temperature, *args[1:], stop.to(DEVICE) if ban else None, banned_rows.to(DEVICE) if ban else None,
         chunks, top_k=top_k, top_p=top_p)
     assert torch.equal(tokens.cpu(), want_tokens)
@@ -390,8 +390,9 @@ def test_top_p_under_a_banned_token_far_above_the_rest(top_k):
     greedy = sample_with_noise(logits, 0.0, 0, 1.0, banned, None)[0]
     assert (want != greedy).sum() >= rows // 2  # the nucleus holds more than the best allowed token
     args = [t.to(DEVICE) for t in (logits, seed, keys)]
-    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, args[1], args[2], args[2], stop.to(DEVICE),
-                                                  banned_rows.to(DEVICE), 2, top_k=top_k, top_p=0.9)
+    tokens, logprobs = sample_kernels.sample_tokens_impl(args[0], temperature, args[1], args[2], args[2],
+                                                         stop.to(DEVICE), banned_rows.to(DEVICE), 2, top_k=top_k,
+                                                         top_p=0.9)
     assert torch.equal(tokens.cpu(), want)
     torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
 
@@ -406,19 +407,19 @@ def test_the_nucleus_rounds_bound_the_chance_of_a_draw_left_outside(monkeypatch)
         return 1 - sum(math.exp(-rate) * rate**i / math.factorial(i) for i in range(n + 1))
 
     for top_p in (0.99, 0.9, 0.5, 0.05):
-        n, rate = kernels.nucleus_rounds(top_p), math.log(1 / top_p)
+        n, rate = sample_kernels.nucleus_rounds(top_p), math.log(1 / top_p)
         assert outside(n, rate) < 1e-9 <= outside(n - 1, rate)
-    monkeypatch.setattr(kernels, "_programs", lambda device, per_sm=2: 3)
+    monkeypatch.setattr(sample_kernels, "_programs", lambda device, per_sm=2: 3)
     rows, vocab, top_p = 200, 500, 0.2
     logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 0.01).to(DEVICE)
     seed = torch.tensor([5], dtype=torch.int32, device=DEVICE)
     keys = torch.arange(rows, device=DEVICE)
     noise = gumbel_noise(seed.cpu(), keys.cpu(), keys.cpu(), vocab)
     want = sample_with_noise(logits.cpu(), 1.0, 0, top_p, None, noise)[0]
-    full = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=top_p)[0].cpu()
+    full = sample_kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=top_p)[0].cpu()
     assert torch.equal(full, want)
     for n in (0, 1, 2):
-        tokens = kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=top_p, rounds=n)[0]
+        tokens = sample_kernels.sample_tokens_impl(logits, 1.0, seed, keys, keys, None, None, top_p=top_p, rounds=n)[0]
         share, p = (tokens.cpu() != want).float().mean().item(), outside(n, math.log(1 / top_p))
         assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / rows), (n, share, p)
 
@@ -442,7 +443,7 @@ def test_sample_tokens_over_minus_inf_logits_and_at_a_low_temperature(temperatur
     want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, None,
                                                    gumbel_noise(seed, keys, steps, vocab))
     args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
-    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, chunks)
+    tokens, logprobs = sample_kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, chunks)
     assert torch.equal(tokens.cpu(), want_tokens)
     assert tokens[2].item() == 3333 and logprobs[2].item() == 0.0
     assert torch.isfinite(logits[torch.arange(rows), tokens.cpu()]).all()
@@ -455,7 +456,7 @@ def test_a_banned_token_far_above_the_rest_does_not_hide_the_best_allowed_one(te
     BLOCK_V later) and 40 above every other token: at temperature 0.05 the two are 200 apart (e^-200 is 0 in
     float32), yet the draw is the allowed one, as the PyTorch form's (no noise value bridges 40 / 0.05)."""
     vocab, stop_token = 5000, 7
-    best = stop_token + kernels.BLOCK_V
+    best = stop_token + sample_kernels.BLOCK_V
     logits = torch.full((1, vocab), -40.0)
     logits[0, stop_token], logits[0, best] = 10.0, 0.0
     logits = logits.bfloat16()
@@ -466,7 +467,7 @@ def test_a_banned_token_far_above_the_rest_does_not_hide_the_best_allowed_one(te
                                                    gumbel_noise(seed, keys, steps, vocab))
     assert want_tokens.item() == best
     args = [t.to(DEVICE) for t in (logits, seed, keys, steps, stop, torch.ones(1, dtype=torch.bool))]
-    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:4], args[4], args[5], 1)
+    tokens, logprobs = sample_kernels.sample_tokens_impl(args[0], temperature, *args[1:4], args[4], args[5], 1)
     assert tokens.item() == best
     torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
 
@@ -484,7 +485,7 @@ def test_sample_tokens_over_a_vocabulary_below_one_tile_and_of_whole_tiles(vocab
     want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, None, noise)
     for chunks in (1, 2):
         args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
-        tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, chunks)
+        tokens, logprobs = sample_kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, chunks)
         assert torch.equal(tokens.cpu(), want_tokens)
         torch.testing.assert_close(logprobs.cpu(), want_logprobs, atol=logprob_tolerance(logits, temperature), rtol=0)
 
@@ -501,8 +502,8 @@ def test_greedy_tells_neighbouring_float32_logits_apart():
     logits[0, 100], logits[0, 2500] = low, high
     logits[1, 100], logits[1, 2500] = high, low
     seed, keys, steps = torch.tensor([0], dtype=torch.int32), torch.arange(2), torch.zeros(2, dtype=torch.long)
-    tokens, _ = kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, seed.to(DEVICE), keys.to(DEVICE), steps.to(DEVICE),
-                                           None, None, 1)
+    tokens, _ = sample_kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, seed.to(DEVICE), keys.to(DEVICE),
+                                                  steps.to(DEVICE), None, None, 1)
     assert tokens.tolist() == [2500, 100] == logits.argmax(-1).tolist()
 
 
@@ -519,7 +520,7 @@ def test_a_nan_logit_or_a_row_of_minus_inf_gives_a_nan_logprob(temperature):
     want_tokens, want_logprobs = sample_with_noise(logits, temperature, 0, 1.0, None, noise)
     assert want_logprobs[:2].isnan().all()
     args = [t.to(DEVICE) for t in (logits, seed, keys, steps)]
-    tokens, logprobs = kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, 2)
+    tokens, logprobs = sample_kernels.sample_tokens_impl(args[0], temperature, *args[1:], None, None, 2)
     assert logprobs[:2].isnan().all()
     assert tokens[2].item() == want_tokens[2].item()
     torch.testing.assert_close(logprobs[2:].cpu(), want_logprobs[2:], atol=logprob_tolerance(logits[2:], temperature),
@@ -532,7 +533,7 @@ if kernels.triton is not None:
     @kernels.triton.jit
     def _exponential_of(U, OUT, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(OUT + i, kernels._exponential(tl.load(U + i, mask=i < n, other=0.5), ASM), mask=i < n)
+        tl.store(OUT + i, sample_kernels._exponential(tl.load(U + i, mask=i < n, other=0.5), ASM), mask=i < n)
 
 
 def test_the_kernels_exponential_is_the_exact_one_within_a_few_ulp():
@@ -551,7 +552,7 @@ def test_the_kernels_exponential_is_the_exact_one_within_a_few_ulp():
     uniform = (bins.double() + 0.5) * 2.0**-23
     out = torch.empty(len(bins), dtype=torch.float32, device=DEVICE)
     _exponential_of[(kernels._ceil_div(len(bins), 1024),)](uniform.float().to(DEVICE), out, len(bins), BLOCK=1024,
-                                                           ASM=kernels._ptx(torch.device(DEVICE)))
+                                                           ASM=sample_kernels._ptx(torch.device(DEVICE)))
     exact = -torch.log2(uniform)
     torch.testing.assert_close(out.cpu().double(), exact, rtol=1.5e-6, atol=0)
 
@@ -567,8 +568,9 @@ def test_sample_chunks():
     assert kernels._whole_tiles(151936, 5, 1024) == (30 * 1024, 5)
     assert kernels._whole_tiles(151936, 9, 2048) == (9 * 2048, 9)
     # sample_chunks is that count at the kernel's tile
-    assert kernels.sample_chunks(256, 151936, 1056) == kernels._part_count(151936, kernels.BLOCK_V, 256, 1056)
-    assert kernels.sample_chunks(8, 1000, 256) == 1
+    assert sample_kernels.sample_chunks(256, 151936, 1056) == kernels._part_count(151936, sample_kernels.BLOCK_V, 256,
+                                                                                  1056)
+    assert sample_kernels.sample_chunks(8, 1000, 256) == 1
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -598,7 +600,7 @@ def test_greedy_ties_pick_the_first_token_as_argmax(chunks):
     logits[1, [100, 4000]] = 5.0
     logits[2, [2048, 4999]] = 5.0
     seed, zeros = torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.long, device=DEVICE)
-    tokens, logprobs = kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, seed, zeros, zeros, None, None, chunks)
+    tokens, logprobs = sample_kernels.sample_tokens_impl(logits.to(DEVICE), 0.0, seed, zeros, zeros, None, None, chunks)
     assert tokens.tolist() == [2047, 100, 2048, 0]
     torch.testing.assert_close(logprobs.cpu(), logits.log_softmax(-1)[torch.arange(4), tokens.cpu()])
 
@@ -611,9 +613,9 @@ def test_the_operators_pass_opcheck():
     logits = torch.randn(3, 300, generator=gen).to(DEVICE)
     seed, keys = torch.tensor([7], dtype=torch.int32).to(DEVICE), torch.arange(3).to(DEVICE)
     stop, banned = torch.zeros(300, dtype=torch.bool).to(DEVICE), torch.tensor([True, False, True]).to(DEVICE)
-    torch.library.opcheck(kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned))
-    torch.library.opcheck(kernels.sample_tokens, (logits, 0.0, seed, keys, keys, None, None))
-    torch.library.opcheck(kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned, 20, 0.7))
+    torch.library.opcheck(sample_kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned))
+    torch.library.opcheck(sample_kernels.sample_tokens, (logits, 0.0, seed, keys, keys, None, None))
+    torch.library.opcheck(sample_kernels.sample_tokens, (logits, 0.8, seed, keys, keys, stop, banned, 20, 0.7))
 
 
 def test_decode_attention_needs_a_context_length():
