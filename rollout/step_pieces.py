@@ -66,7 +66,7 @@ def sample_and_record(
     A slot that is not live samples too (its work is in the batch anyway) but writes to the spare output row and
     keeps its state. advance_positions: a decode step moves pos past the token it just wrote; prefill does not (the
     prompt's next position is already set). broadcast: under tensor parallelism, makes every rank take rank 0's
-    tokens and logprobs. kernel_sampling: draw by rollout/kernels.py's kernel (one pass over the logits, and with
+    tokens and logprobs. kernel_sampling: draw by rollout/sample_kernels.py's kernel (one pass over the logits, and with
     top-p a few passes over the rows whose first pick lies outside the nucleus), the draw of
     sampling.sample_with_noise with its noise within a few float32 steps (a token differs only on a near-tie, or,
     with top-p, where a token's mass above it is within rounding of top_p).
