@@ -60,7 +60,8 @@ MIN_CONTINUED_TOKENS = 4
 ATTENTION_CELLS = 1 << 28
 CONTINUED_LOOKBACK = 8  # held sequences a prompt's search walks back over (those between it and its own are rare)
 DECODE_KERNELS = ("auto", "triton", "torch")
-KERNEL_OPS = frozenset({"attention", "sampling"})  # what the Triton kernels (rollout/kernels.py, sample_kernels.py) can take over
+# what the Triton kernels (rollout/kernels.py, rollout/sample_kernels.py) can take over
+KERNEL_OPS = frozenset({"attention", "sampling"})
 COMPILE_DYNAMIC: bool | None = None  # torch.compile's `dynamic` for the decode pieces (None: a recompile on change)
 # compile the prefill's blocks too: its compile is ~12 s of a cold first rollout at 0.5B on an H200, for a prefill that
 # runs once per rollout (bench/warmup.py's eager-prefill variant measures both sides)
@@ -90,8 +91,8 @@ class SlotEngine:
     each small prefill's bucket shape) in CUDA graphs, and compile its blocks and sampling with torch.compile first
     (CUDA only; compile is skipped under tensor parallelism, whose all-reduce runs between the compiled pieces).
     fused_projections: decode with stacked q/k/v and gate/up weights, copied every call (rollout/decoder).
-    decode_kernels: "auto" (the Triton kernels of rollout/kernels.py and sample_kernels.py where they run: CUDA with Triton, head_dim a
-    power of two; else PyTorch's SDPA and sampling.py), "triton" (the kernels or an error saying why not) or
+    decode_kernels: "auto" (the Triton kernels of rollout/kernels.py and sample_kernels.py where they run: CUDA with
+    Triton, head_dim a power of two; else PyTorch's SDPA and sampling.py), "triton" (the kernels or an error saying why not) or
     "torch". kernel_ops: which of them (KERNEL_OPS: decode attention; sampling, top-k and top-p included) - all
     unless a benchmark measures them one by one.
     resident: keep the decode weights, the KV cache and the captured graphs from one call to the next, so that a call
@@ -318,7 +319,8 @@ class SlotEngine:
         return self._kept
 
     def _use_kernels(self, head_dim: int, device: torch.device) -> bool:
-        """Whether the decode step runs the Triton kernels (rollout/kernels.py, sample_kernels.py) (auto: on CUDA where they can)."""
+        """Whether the decode step runs the Triton kernels of rollout/kernels.py and sample_kernels.py (auto: on CUDA
+        where they can)."""
         if self.decode_kernels == "torch":
             return False
         reason = kernels.available(head_dim, device)
