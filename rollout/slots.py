@@ -93,8 +93,8 @@ class SlotEngine:
     fused_projections: decode with stacked q/k/v and gate/up weights, copied every call (rollout/decoder).
     decode_kernels: "auto" (the Triton kernels of rollout/kernels.py and sample_kernels.py where they run: CUDA with
     Triton, head_dim a power of two; else PyTorch's SDPA and sampling.py), "triton" (the kernels or an error saying
-    why not) or "torch". kernel_ops: which of them (KERNEL_OPS: decode attention; sampling, top-k and top-p included) - all
-    unless a benchmark measures them one by one.
+    why not) or "torch". kernel_ops: which of them (KERNEL_OPS: decode attention; sampling, top-k and top-p
+    included) - all unless a benchmark measures them one by one.
     resident: keep the decode weights, the KV cache and the captured graphs from one call to the next, so that a call
     of the same shapes captures nothing and allocates nothing. The weights are then the engine's own buffers (the
     stacked q/k/v and gate/up, and, when FSDP2 shards the model, a copy of every parameter: FSDP2 unshards into new
