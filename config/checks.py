@@ -91,6 +91,7 @@ def check_ppo(cfg: Config, world_size: int, this_machine: bool = True) -> None:
                           "weight_cap=tis_cap. Keep one")
     check_objective(cfg)
     check_episodes(cfg)
+    check_partial(cfg, correcting)
     check_lora(cfg, world_size, this_machine)
     if cfg.rollout.engine == "vllm":
         check_vllm(cfg, world_size, this_machine)
@@ -234,6 +235,7 @@ PPO_RANGES = (
     ("rollout.vllm_max_logprob_gap", "(0, inf)"), ("rollout.max_turns", "[1, inf)"),
     ("rollout.max_episode_tokens", "[1, inf)"), ("rollout.env_workers", "[1, inf)"),
     ("rollout.env_timeout_s", "(0, inf)"), ("rollout.tool_timeout_s", "(0, inf)"),
+    ("rollout.partial_tail", "[0, 1)"), ("rollout.partial_max_staleness", "[1, inf)"),
     ("algorithm.gamma", "[0, 1]"), ("algorithm.lam", "[0, 1]"),
     ("algorithm.kl.coef", "[0, inf)"), ("algorithm.kl.target", "(0, inf)"), ("algorithm.kl.horizon", "[1, inf)"),
     ("algorithm.filters.filter_ratio", "[0, 1)"), ("algorithm.filters.weight_pow", "[0, inf)"),
@@ -290,6 +292,28 @@ def check_episodes(cfg: Config) -> None:
     if response_budget(cfg) < r.max_new_tokens and r.max_turns > 1:
         raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
                           f"{r.max_new_tokens}: an episode's budget must hold at least one whole turn")
+
+
+def check_partial(cfg: Config, correcting: list[str]) -> None:
+    """Partial rollouts: what they run on (the native engine on the actor's ranks, single turns, online) and the
+    importance correction their older tokens need."""
+    r = cfg.rollout
+    if r.partial_tail == 0:
+        return
+    key = f"rollout.partial_tail={r.partial_tail}"
+    if world_rollout(cfg):
+        raise ConfigError(f"{key}: partial rollouts run on the native engine of the actor's ranks; set "
+                          "rollout.engine=native and rollout.ranks=actor (or auto), or rollout.partial_tail=0")
+    if episodes(cfg):
+        raise ConfigError(f"{key} with rollout.environment / rollout.tools: episodes are not continued across steps; "
+                          "set rollout.partial_tail=0")
+    if path_list(cfg.data.rollouts_path):
+        raise ConfigError(f"{key} with data.rollouts_path: offline training generates nothing; set "
+                          "rollout.partial_tail=0")
+    if not correcting:
+        raise ConfigError(f"{key}: a continued sample holds tokens of older policies, which need importance "
+                          "weights against the policy being trained; set actor.tis_cap (e.g. 2.0) or "
+                          "actor.rollout_correction.weight / mask")
 
 
 def check_ranges(cfg: Config, ranges) -> None:

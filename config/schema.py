@@ -199,6 +199,14 @@ class RolloutConfig:
     env_workers: int = 2  # processes hosting the environments (or running the tools)
     env_timeout_s: float = 60.0  # one reset or step; past it the worker is killed and its episodes end (reward 0)
     tool_timeout_s: float = 10.0  # one tool call; past it the call's result is an error message
+    # partial rollouts (rollout/partial.py; native engine on the actor's ranks, single turns): > 0 ends a step's
+    # generation once no sample waits and fewer than this share of the engine's slots still decode; the unfinished
+    # samples continue in the next step (re-prefilled under its weights, their tokens' log-probs kept) and their
+    # groups train when every sample ended. Needs an importance correction (actor.tis_cap or
+    # actor.rollout_correction) for the older policies' tokens
+    partial_tail: float = 0.0
+    # a sample's tokens span at most this many policy updates: a continued sample this old decodes to its end
+    partial_max_staleness: int = 1
 
 
 KL_KIND = Literal["k1", "k2", "k3", "low_var_kl", "abs"]

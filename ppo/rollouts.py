@@ -101,6 +101,28 @@ class RolloutPhase:
             return None
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
 
+    def _generate_partial(self, indices: list[int], step: int) -> Batch:
+        """Partial rollouts (rollout/partial.py): this actor dp rank's share of `indices` and the samples the last
+        step left unfinished, in one call that may end at its tail; the groups that ended, as the step's batch.
+        Sets self.partial_metrics (this step's counts and staleness, over the actor's dp ranks)."""
+        pool, r = self.pools["actor"], self.cfg.rollout
+        mine = indices[pool.dp_rank :: pool.dp_size]
+        call = self.partial.call([(i, self.train_set[i]["prompt_ids"]) for i in mine], step)
+        params = dataclasses.replace(self.train_params, tail_share=r.partial_tail, finish_first=call.finish_first)
+        out = self.actor.generate(call.prompts, params, self.gen_rng, max_new_tokens=call.limits,
+                                  samples=call.samples)
+        groups, counts = self.partial.collect(call, out, step)
+        out, index, born = self.partial.output(groups, self.pad)
+        staleness = (step - born).float()
+        sums = self.dp_reduce(torch.tensor([*counts.values(), len(groups), staleness.sum(), len(born)],
+                                           dtype=torch.float64))
+        most = self.dp_reduce(staleness.max() if len(born) else torch.zeros(()), "max")
+        self.partial_metrics = {**{f"rollout/partial/{k}": float(v) for k, v in zip(counts, sums)},
+                                "rollout/partial/trained_groups": float(sums[3]),
+                                "rollout/partial/staleness_mean": float(sums[4] / sums[5].clamp(min=1)),
+                                "rollout/partial/staleness_max": float(most)}
+        return rollout_batch(out, index, self.device)
+
     def _sample(self, prompts: list[list[int]] | None, params: SamplingParams) -> RolloutOutput | None:
         """One generate call: on the engines laid out over the world (every rank calls, None outside the actor's
         pool), or on the actor's own engine."""

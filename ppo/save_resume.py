@@ -54,6 +54,8 @@ class SaveResume:
                       "comm": {name: role.replicas.state_dict() for name, role in self._trainers().items()}}
         if self.replay is not None:
             rank_state["replay"] = self.replay.state_dict()
+        if self.partial is not None:
+            rank_state["partial"] = self.partial.state_dict()
         try:
             self.finish_save()  # the previous checkpoint, if it is still being written
         except checkpoint.SaveError as e:
@@ -111,6 +113,8 @@ class SaveResume:
             checkpoint.restore_rng(mine["rng"], {"gen": self.gen_rng, "cpu": self.cpu_rng})
             if self.replay is not None and "replay" in mine:
                 self.replay.load_state_dict(mine["replay"])
+            if self.partial is not None and "partial" in mine:
+                self.partial.load_state_dict(mine["partial"])
             for name, role in self._trainers().items():
                 if name in mine.get("comm", {}):
                     role.replicas.load_state_dict(mine["comm"][name])

@@ -42,6 +42,7 @@ from roles.update_loop import all_reduce_sum
 from rollout.api import stop_token_ids
 from rollout.episodes import ObservationTokens
 from rollout.native import SamplingParams
+from rollout.partial import PartialRollouts
 from tasks.char_tokenizer import load_tokenizer
 from tasks.data import (
     PromptDataset,
@@ -176,6 +177,9 @@ class PPOTrainer(RolloutPhase, RunLoop, SaveResume):
         stops = stop_token_ids(path, self.tokenizer, cfg.rollout.stop_token_ids, trust)
         r = cfg.rollout
         self.train_params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, stops)
+        # partial rollouts: the samples a step's rollout left unfinished, continued in the next (rollout/partial.py)
+        self.partial = PartialRollouts(r.n, r.max_new_tokens, r.partial_max_staleness) \
+            if r.partial_tail > 0 and self.actor is not None else None
         self.eval_params = SamplingParams(r.max_new_tokens, r.eval_temperature, 1.0, 0, r.eval_n, stops)
         self.observe, self.last_episodes = None, None
         if self.envs is not None:  # an episode's observations in tokens: the chat template's, or plain text
@@ -259,7 +263,10 @@ class PPOTrainer(RolloutPhase, RunLoop, SaveResume):
                 batch = self._replay(indices)
         elif not self.offline and (self.actor is not None or self.rollout is not None):
             with t("gen"):
-                batch = self._generate(self.train_set, indices, self.train_params)
+                batch = self._generate_partial(indices, step) if self.partial is not None else \
+                    self._generate(self.train_set, indices, self.train_params)
+            if self.partial is not None:
+                metrics.update(self.partial_metrics)
             reshard_s, engine_stats = self._engine_stats()
             times["timing_s/reshard"] = reshard_s
             for part in ("prefill", "capture", "decode"):  # the native slot engine's parts of gen

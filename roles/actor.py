@@ -68,13 +68,14 @@ class Actor:
         """The native engine's of the last generate call (what rollout/world.py reads of an engine)."""
         return self.engine.stats
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator=None, **options) -> RolloutOutput:
         """Responses from the native engine on the actor's parameters in place (engine.stats["reshard_s"]: its
-        unshard / reshard time). With LoRA the engine reads the base weights with the adapters merged in."""
+        unshard / reshard time). With LoRA the engine reads the base weights with the adapters merged in. options:
+        NativeEngine.generate's per-prompt max_new_tokens and samples."""
         if self.lora is None:
-            return self.engine.generate(prompts, params, generator)
+            return self.engine.generate(prompts, params, generator, **options)
         with self.lora.merged(self.cfg.fsdp.reshard_after_forward):
-            return self.engine.generate(prompts, params, generator)
+            return self.engine.generate(prompts, params, generator, **options)
 
     @torch.no_grad()
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:

@@ -28,6 +28,11 @@ class SamplingParams:
     prompts may start with sequences the engine's previous call left (its prompts and responses), under the same
     weights: the native slot engine then prefills only what a prompt adds, into the slot that holds the rest.
     Engines without such a cache ignore both.
+
+    Partial rollouts (rollout/partial.py): tail_share > 0 lets the native slot engine return once no sequence waits
+    and fewer than this share of its slots still decode, none of them among the call's first finish_first sequences
+    (those always end in the call); RolloutOutput.unfinished marks the sequences cut short. Other engines (and the
+    HF-forward path) finish every sequence.
     """
 
     max_new_tokens: int
@@ -39,6 +44,8 @@ class SamplingParams:
     min_new_tokens: int = 0
     context_tokens: int = 0
     continues: bool = False
+    tail_share: float = 0.0
+    finish_first: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -57,6 +64,10 @@ class SamplingParams:
             )
         if self.context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
+        if not 0 <= self.tail_share < 1:
+            raise ValueError(f"tail_share must be in [0, 1), got {self.tail_share}")
+        if self.finish_first < 0:
+            raise ValueError(f"finish_first must be >= 0, got {self.finish_first}")
 
 
 @dataclass
@@ -68,12 +79,15 @@ class RolloutOutput:
     response_mask: [N, R] long, 1 on response tokens (the stop token included), 0 on padding.
     logprobs: [N, R] float32, log_softmax(logits / temperature) at each sampled token (temperature 1 when greedy),
         before top-k/top-p truncation; 0 on padding.
+    unfinished: [N] bool, True where the call stopped a sequence before its end (SamplingParams.tail_share), its
+        tokens so far in the rows above; None when every sequence ended.
     """
 
     prompt_ids: list[list[int]]
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     logprobs: torch.Tensor
+    unfinished: torch.Tensor | None = None
 
 
 

@@ -13,6 +13,7 @@ Two paths behind one interface, picked per model:
 Both run on FSDP2-sharded (unsharded once per rollout), tensor-parallel and plain models, on CPU and GPU.
 """
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -120,14 +121,24 @@ class NativeEngine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         max_new_tokens: list[int] | None = None,
+        samples: list[int] | None = None,
     ) -> RolloutOutput:
         """Sample len(prompts) * params.n responses; see RolloutOutput for the shapes.
 
         generator, if given, must live on the model's device; the same seed gives the same output.
         max_new_tokens: optional per-prompt response limits, each in [1, params.max_new_tokens] (benchmarks use it to
-        force a spread of lengths); params.max_new_tokens for every prompt when None.
+        force a spread of lengths; partial rollouts to continue a response); params.max_new_tokens for every prompt
+        when None. samples: optional per-prompt sample counts (>= 1) instead of params.n each, a prompt's samples
+        consecutive in the output (partial rollouts: a continued response is a prompt of its own, one sample).
         """
         limits = self._validate(prompts, params, max_new_tokens)
+        if samples is not None and (len(samples) != len(prompts) or min(samples, default=1) < 1):
+            raise ValueError(f"samples must give a count >= 1 for each of the {len(prompts)} prompts, got "
+                             f"{samples[:8]}{'...' if len(samples) > 8 else ''} ({len(samples)} entries)")
+        if samples is not None and self.slots is None:  # the HF-forward loop takes one count: a row per sample
+            prompts = [p for p, count in zip(prompts, samples) for _ in range(count)]
+            limits = [limit for limit, count in zip(limits, samples) for _ in range(count)]
+            params, samples = dataclasses.replace(params, n=1), None
         # this call's alone (a call without prompts has no engine counters); cleared in place: a replica shares it
         self.stats.clear()
         model = self.model
@@ -166,7 +177,7 @@ class NativeEngine:
                     for module in fsdp_modules:
                         module.reshard()
                     switch_s += time.perf_counter() - began
-                out = self.slots.generate(prompts, params, generator, limits)
+                out = self.slots.generate(prompts, params, generator, limits, samples)
                 self.stats.update(self.slots.stats)
                 return out
         finally:

@@ -68,8 +68,8 @@ class SlotRun:
         # The cache is zeroed once, not left as allocated: attention weighs masked positions by exactly 0, but
         # 0 * NaN is NaN. Every later write is a computed key or value.
         torch._foreach_zero_([*self.k, *self.v])
-        # what the last call left: (its prompts, n, responses, their lengths, {slot: sequence} of the finished
-        # sequences whose slots still hold them), for a call that continues them
+        # what the last call left: (its prompts, each sequence's prompt index, responses, their lengths,
+        # {slot: sequence} of the finished sequences whose slots still hold them), for a call that continues them
         self.last: tuple | None = None
         self.reset()
 
@@ -91,10 +91,10 @@ class SlotRun:
         response but its last token (sampled, never fed back)."""
         if self.last is None:
             return {}
-        prompts, n, response, lengths, finished = self.last
+        prompts, owner, response, lengths, finished = self.last
         rows = list(finished.values())
         tokens, counts = response[rows].tolist(), lengths[rows].tolist()
-        return {slot: prompts[seq // n] + t[: count - 1]
+        return {slot: prompts[owner[seq]] + t[: count - 1]
                 for (slot, seq), t, count in zip(finished.items(), tokens, counts)}
 
     def occupied(self) -> list[int]:

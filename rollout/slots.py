@@ -24,6 +24,7 @@ torch.compile (CUDA only) before the graphs are captured.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -165,9 +166,12 @@ class SlotEngine:
         params: SamplingParams,
         generator: torch.Generator | None,
         limits: list[int],
+        samples: list[int] | None = None,
     ) -> RolloutOutput:
-        """prompts: non-empty token lists; limits: max_new_tokens per prompt. Called with the parameters unsharded
-        (unless load_weights read them since) and autograd off (NativeEngine.generate)."""
+        """prompts: non-empty token lists; limits: max_new_tokens per prompt; samples: sequences per prompt (params.n
+        each when None). Called with the parameters unsharded (unless load_weights read them since) and autograd off
+        (NativeEngine.generate). With params.tail_share the call may return before every sequence ended (partial
+        rollouts): RolloutOutput.unfinished marks those."""
         w = self._loaded if self._loaded is not None else self._read_weights()
         self._loaded = None
         if w.row_parallel != (self.tp_group is not None):
@@ -181,7 +185,9 @@ class SlotEngine:
         kernel_attention = triton and "attention" in self.kernel_ops
         kernel_sampling = triton and "sampling" in self.kernel_ops
         n = params.n
-        num_seqs = len(prompts) * n
+        counts = samples if samples is not None else [n] * len(prompts)
+        owner = [i for i, count in enumerate(counts) for _ in range(count)]  # sequence -> its prompt
+        num_seqs = len(owner)
         max_new = max(limits)
         longest = max(len(p) + limit for p, limit in zip(prompts, limits))
         slot_len = -(-max(longest, params.context_tokens) // SLOT_ALIGN) * SLOT_ALIGN
@@ -192,11 +198,14 @@ class SlotEngine:
         fresh_slots = min(self.max_num_seqs, num_seqs, (self.kv_cache_tokens or 1 << 62) // slot_len)
         new_run = (run is None or run.config[2:] != config[2:] or run.num_seqs < num_seqs or run.max_new < max_new
                    or run.slot_len < slot_len or run.slots < fresh_slots)
+        # partial rollouts: the number of sequences changes from call to call (the carried ones come on top), so
+        # the output rows get room for more and a kept run serves the next calls
+        rows = _size_bucket(num_seqs) if params.tail_share > 0 else num_seqs
         held = run.held() if params.continues and not new_run else {}
         if new_run:
             self._run = run = None  # the kept run's memory counts as free when the new one is sized
             slots, by_share = self._slot_count(w, slot_len, longest, num_seqs, device)
-            run = SlotRun(slots, slot_len, config, w, device)
+            run = SlotRun(slots, slot_len, (rows, *config[1:]), w, device)
             # A cache the GPU share cut short fills that share: kept, it would hold it through training (sized
             # before the optimizer's state exists, even), so it lives for this call only.
             if self.resident and not by_share:
@@ -241,9 +250,9 @@ class SlotEngine:
             sample_rows(hidden, residual, run.rows[:batch], True)
 
         waiting = deque(range(num_seqs))
-        continued = _continued(held, prompts, n)
+        continued = _continued(held, prompts, [0, *itertools.accumulate(counts)][:-1])
         if continued:
-            self._extend(run, w, prompts, n, limits, continued, reduce, sample_rows, clock)
+            self._extend(run, w, prompts, owner, limits, continued, reduce, sample_rows, clock)
             waiting = deque(seq for seq in waiting if seq not in continued)
         graphed_prefills = use_graphs and self.pad_prefills is not False
         # with graphs at once, but for a whole prompt's n samples (one prefill each, not one per sample)
@@ -256,8 +265,8 @@ class SlotEngine:
             # wait): launched op by op, a prefill of a few prompts costs several times their share of a large one.
             if waiting and free and (len(free) >= min(admit_min_free, len(waiting)) or not occupied):
                 admitted = [(waiting.popleft(), slot) for slot in free[: len(waiting)]]
-                self._prefill(run, w, prompts, n, limits, admitted, partial(prefill, reduce=reduce), sample_rows,
-                              clock, use_graphs)
+                self._prefill(run, w, prompts, owner, limits, admitted, partial(prefill, reduce=reduce),
+                              sample_rows, clock, use_graphs)
                 occupied = run.occupied()
             if not occupied:
                 break
@@ -279,6 +288,12 @@ class SlotEngine:
                         step(batch, length)
             self.stats["decode_steps"] += steps
             self._check(run, batch, steps, compact=not waiting)
+            if not waiting and _tail_reached(run, params):
+                break
+
+        unfinished = torch.zeros(num_seqs, dtype=torch.bool)
+        unfinished[[run.slot_seq[s] for s in run.occupied()]] = True
+        self.stats["unfinished"] = int(unfinished.sum())
 
         lengths = run.state.out_len[:num_seqs]
         width = int(lengths.max())
@@ -286,12 +301,13 @@ class SlotEngine:
         mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
         response = run.state.out_tokens[:num_seqs, :width].masked_fill(~mask, self.pad_token_id)
         if self._run is run:  # kept: the next call may continue these sequences (copies: the caller owns its lists)
-            run.last = ([list(p) for p in prompts], n, response.clone(), lengths.clone(), dict(run.finished_at))
+            run.last = ([list(p) for p in prompts], owner, response.clone(), lengths.clone(), dict(run.finished_at))
         return RolloutOutput(
-            prompt_ids=[list(p) for p in prompts for _ in range(n)],
+            prompt_ids=[list(prompts[i]) for i in owner],
             response_ids=response,
             response_mask=mask.long(),
             logprobs=run.state.out_logprobs[:num_seqs, :width].masked_fill(~mask, 0.0),
+            unfinished=unfinished.to(device) if params.tail_share > 0 else None,
         )
 
     def load_weights(self) -> None:
@@ -372,13 +388,14 @@ class SlotEngine:
         return prefill + logits
 
     @staticmethod
-    def _admit(run: SlotRun, w: DecoderWeights, prompts, n, limits, admitted) -> None:
-        """The (sequence, slot) pairs' state: each slot serves its sequence from the position after its prompt."""
+    def _admit(run: SlotRun, w: DecoderWeights, prompts, owner, limits, admitted) -> None:
+        """The (sequence, slot) pairs' state: each slot serves its sequence from the position after its prompt.
+        owner: sequence -> its prompt's index."""
         st, device = run.state, w.embed.device
         seqs = torch.tensor([seq for seq, _ in admitted], device=device)
         slots = torch.tensor([slot for _, slot in admitted], device=device)
-        prompt_lens = [len(prompts[seq // n]) for seq, _ in admitted]
-        seq_limits = [limits[seq // n] for seq, _ in admitted]
+        prompt_lens = [len(prompts[owner[seq]]) for seq, _ in admitted]
+        seq_limits = [limits[owner[seq]] for seq, _ in admitted]
         st.seq[slots] = seqs
         st.limit[slots] = torch.tensor(seq_limits, device=device)
         st.pos[slots] = torch.tensor(prompt_lens, device=device)
@@ -388,14 +405,14 @@ class SlotEngine:
             run.slot_seq[slot], run.slot_pos[slot], run.slot_left[slot] = seq, prompt_len, limit - 1
             run.finished_at.pop(slot, None)
 
-    def _prefill(self, run: SlotRun, w: DecoderWeights, prompts, n, limits, admitted, layer, sample_rows, clock,
+    def _prefill(self, run: SlotRun, w: DecoderWeights, prompts, owner, limits, admitted, layer, sample_rows, clock,
                  use_graphs: bool) -> None:
         """Put the admitted (sequence, slot) pairs into their slots: one prefill per prompt, the first token sampled.
         layer: prefill_layer (maybe compiled) with its reduce bound."""
-        self._admit(run, w, prompts, n, limits, admitted)
+        self._admit(run, w, prompts, owner, limits, admitted)
         by_prompt: dict[int, list[int]] = {}
         for seq, slot in admitted:
-            by_prompt.setdefault(seq // n, []).append(slot)
+            by_prompt.setdefault(owner[seq], []).append(slot)
         chunks, width = [[]], 0
         for index in by_prompt:
             # Chunks of padded prompt tokens within max_prefill_tokens; a longer prompt still goes, alone.
@@ -408,27 +425,27 @@ class SlotEngine:
             self._prefill_chunk(run, w, [prompts[i] for i in chunk], [by_prompt[i] for i in chunk], layer,
                                 sample_rows, clock, use_graphs)
 
-    def _extend(self, run: SlotRun, w: DecoderWeights, prompts, n, limits, continued: dict[int, tuple[int, int]],
+    def _extend(self, run: SlotRun, w: DecoderWeights, prompts, owner, limits, continued: dict[int, tuple[int, int]],
                 reduce, sample_rows, clock) -> None:
         """Admit the sequences of `continued` ({sequence: (slot, start)}: the slot holds its prompt's first `start`
         tokens from the last call) into those slots: prefill the rest of each prompt (extend_layer, op by op) and
         sample its first token. Chunks: at most max_prefill_tokens new tokens (padded), and at most ATTENTION_CELLS
         cells of the attention mask (rows x query heads per key head x new tokens x context)."""
-        self._admit(run, w, prompts, n, limits, [(seq, slot) for seq, (slot, _) in continued.items()])
+        self._admit(run, w, prompts, owner, limits, [(seq, slot) for seq, (slot, _) in continued.items()])
         device = w.embed.device
         self.stats["continued"] += len(continued)
         self.stats["continued_tokens"] += sum(start for _, start in continued.values())
         group = w.layers[0].q.shape[0] // w.layers[0].k.shape[0]
         chunks, width, longest = [[]], 0, 0
         for seq, (slot, start) in continued.items():
-            rest, whole = len(prompts[seq // n]) - start, len(prompts[seq // n])
+            rest, whole = len(prompts[owner[seq]]) - start, len(prompts[owner[seq]])
             size = len(chunks[-1]) + 1
             if chunks[-1] and (size * max(width, rest) > self.max_prefill_tokens
                                or size * group * max(width, rest) * max(longest, whole) > ATTENTION_CELLS):
                 chunks.append([])
                 width = longest = 0
             width, longest = max(width, rest), max(longest, whole)
-            chunks[-1].append((prompts[seq // n][start:], slot, start))
+            chunks[-1].append((prompts[owner[seq]][start:], slot, start))
         for chunk in chunks:
             width = max(len(rest) for rest, _, _ in chunk)
             padded = [rest + [self.pad_token_id] * (width - len(rest)) for rest, _, _ in chunk]
@@ -563,7 +580,16 @@ class SlotEngine:
             values[:] = moved + ([None] * (slots - count) if field == "slot_seq" else [0] * (slots - count))
 
 
-def _continued(held: dict[int, list[int]], prompts: list[list[int]], n: int) -> dict[int, tuple[int, int]]:
+def _tail_reached(run: SlotRun, params: SamplingParams) -> bool:
+    """Partial rollouts (params.tail_share > 0): whether the call may return now, with no sequence waiting: fewer
+    than tail_share of the slots still decode, and none of them is one of the first params.finish_first sequences
+    (those always end in this call)."""
+    occupied = run.occupied()
+    return (0 < len(occupied) < params.tail_share * run.slots
+            and all(run.slot_seq[s] >= params.finish_first for s in occupied))
+
+
+def _continued(held: dict[int, list[int]], prompts: list[list[int]], first: list[int]) -> dict[int, tuple[int, int]]:
     """{sequence: (slot, start)} for the prompts that continue what a slot holds (held: slot -> its tokens): the
     first sample of a prompt that starts with a slot's tokens (at least MIN_CONTINUED_TOKENS of them), start their
     count but at most all but the prompt's last token (whose forward samples the first new one). The held sequences
@@ -576,7 +602,7 @@ def _continued(held: dict[int, list[int]], prompts: list[list[int]], n: int) -> 
         at = bisect.bisect_right(order, (prompt, float("inf")))
         for tokens, slot in reversed(order[max(at - CONTINUED_LOOKBACK, 0):at]):
             if slot not in taken and len(tokens) <= len(prompt) and prompt[: len(tokens)] == tokens:
-                continued[index * n] = (slot, min(len(tokens), len(prompt) - 1))
+                continued[first[index]] = (slot, min(len(tokens), len(prompt) - 1))
                 taken.add(slot)
                 break
     return continued
