@@ -4,6 +4,8 @@
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --profile-step 4
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --nproc 2   # 2 GPUs, FSDP2
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --defaults  # the defaults' speed
+    python bench/ppo_step.py --models qwen2.5-1.5b --systems meshrl --lengths long --steps 4 --partial 0.25
+    python bench/ppo_step.py --models qwen2.5-1.5b --systems trl-vllm --lengths long --steps 3  # ~1 min a step
 
 The work of ../shared/BENCHMARKS.md: 8 prompts x 8 samples per step, 128 random prompt tokens, up to 256 new tokens,
 temperature 1, no reference model and no KL (beta 0), lr 1e-6, one optimizer step per rollout, bf16 compute, on
@@ -11,12 +13,27 @@ random-init models built from configs/models/<name>.json (weights do not change 
 - fixed: the only stop is the eos id, which a random model samples with probability ~1/vocab per token, so
   responses run to 256 tokens (one in ~10 steps has a sequence a little shorter, in every system alike);
 - varying: a fixed set of stop ids, sized so that near-uniform sampling from a random model stops after ~100 tokens
-  on average (the set is printed; the measured mean response length is in the table).
+  on average (the set is printed; the measured mean response length is in the table);
+- long (issue 37's reasoning-length step): 32 prompts x 16 samples per step, 256 random prompt tokens, up to 4096
+  new tokens, temperature 1; stop ids sized so that near-uniform sampling gives a geometric (long-tailed) length
+  with a mean of ~1000 tokens once truncated at 4096, ~2% of the responses at the cap (stop_ids: (1 - (1 - p)^N) / p
+  = mean for a stop probability p per token). "steady" leaves out the first step only here. meshrl keeps its
+  default micro-batch budget (auto; ~17k tokens on an H200 at 1.5B) and its default 256 decode slots (the 512
+  samples refill them as responses end). TRL + vLLM: one TRL step (what its clock times) is one optimizer step over
+  the step's 512 samples, generated at once (generation_batch_size 512 = per_device_train_batch_size 8 x
+  gradient_accumulation_steps 64, steps_per_generation defaulting to the latter; vLLM's max_num_seqs 512), then
+  trained in 64 micro-batches of 8 with gradient checkpointing, vLLM's context 256 + 4096 tokens and 0.3 of the GPU
+  (trl_batch_args). TRL's HF-generate mode is not run at this shape (minutes per step): its row says skipped.
+  With --device cpu the long shape shrinks to a smoke run (CPU_SHAPES).
 Each system runs as its own process, one after the other, for --steps steps; "steady" is the median of the steps
 after the first three, "first 3" their sum, "start" the seconds from process start to the first step. For meshrl
 the phases come from its metrics.jsonl (timing_s/gen, old_logprobs, update_actor, reshard); TRL's steps are timed
 by a TrainerCallback (TRL reports no phases). Update MFU: 6 x parameters x trained tokens / update time / peak, with
 --peak-tflops (989 dense bf16 on an H200); trained tokens = prompt + response tokens of the step.
+The response lengths of each run follow the table: TRL's per sample (counted by its reward function; a response is
+truncated when it reaches the cap without a stop id), meshrl's from its metrics.jsonl (mean, max and
+response_length/clip_ratio, the share at the cap), or per sample with --save-rollouts (run.save_rollouts: each
+step's samples written to a parquet file inside the step's time).
 --nproc N runs meshrl under torchrun on N processes (one GPU each, colocated, FSDP2 over the N unless the key=value
 overrides say otherwise) with the same global batch: the table's tokens (update tok/s, MFU) are per GPU then. TRL runs
 on one GPU whatever --nproc says.
@@ -26,11 +43,14 @@ TRL needs trl, datasets, dill and multiprocess importable; TRL + vLLM and meshrl
 --defaults runs each meshrl point a second time with the default config's micro-batch settings (no
 actor.micro_batch_tokens: auto, sized from the GPU's free memory at start) and prints both s/step, the budget auto
 picked and the ratio (issue 37's target: the defaults within 10% of the bench config).
+--partial TAIL runs each meshrl point (the native engine) a second time with partial rollouts
+(rollout.partial_tail=TAIL rollout.partial_max_staleness=1 actor.tis_cap=2.0) and prints both s/step and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -43,9 +63,46 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 8, 128, 256
-MEAN_VARYING = 100
-WHOLE_STEP = PROMPTS * SAMPLES * (PROMPT_LEN + NEW_TOKENS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One lengths mode's step: prompts x samples, prompt tokens, the response cap (new_tokens), and the mean response
+    length the stop ids are sized for (None: the eos id only). warmup: the first steps "steady" leaves out.
+    trl_micro_batch: TRL's per_device_train_batch_size (None: the whole step in one micro-batch)."""
+
+    prompts: int
+    samples: int
+    prompt_len: int
+    new_tokens: int
+    mean_len: int | None = None
+    warmup: int = 3
+    trl_micro_batch: int | None = None
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts * self.samples
+
+    @property
+    def whole_step(self) -> int:
+        """The step's tokens at full length (prompt + new_tokens per sample)."""
+        return self.samples_per_step * (self.prompt_len + self.new_tokens)
+
+
+SHAPES = {
+    "fixed": Shape(8, 8, 128, 256),
+    "varying": Shape(8, 8, 128, 256, mean_len=100),
+    "long": Shape(32, 16, 256, 4096, mean_len=1000, warmup=1, trl_micro_batch=8),
+}
+# --device cpu, the smoke run of a tiny model: long scaled down to seconds on 2 cores; fixed and varying as on the GPU
+CPU_SHAPES = {"long": Shape(4, 4, 32, 192, mean_len=48, warmup=1, trl_micro_batch=4)}
+PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 8, 128, 256  # the fixed and varying shape (SHAPES)
+MEAN_VARYING = SHAPES["varying"].mean_len
+WHOLE_STEP = SHAPES["fixed"].whole_step
+
+
+def shape_of(lengths: str, device: str = "cuda") -> Shape:
+    return CPU_SHAPES.get(lengths, SHAPES[lengths]) if device == "cpu" else SHAPES[lengths]
 
 REWARD_MODULE = '''
 def meshrl_reward(response, ground_truth, prompt):
@@ -86,15 +143,24 @@ def build_assets(model_name: str, workdir: Path) -> Path:
         # returns token ids only, so its view of the text does not matter)
         fast.save_pretrained(tokenizer_dir(model_dir))
         fast.save_pretrained(model_dir)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    data = workdir / f"prompts_{vocab}.jsonl"
-    if not data.exists():
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(2, vocab, (64, PROMPT_LEN), generator=gen).tolist()
-        data.write_text("".join(json.dumps({"prompt": " ".join(word(i) for i in row), "ground_truth": ""}) + "\n"
-                                for row in ids))
     (workdir / "bench_reward.py").write_text(REWARD_MODULE)
     return model_dir
+
+
+def prompt_file(workdir: Path, vocab: int, shape: Shape) -> Path:
+    """The prompts of a shape: random ids from 2 up, shape.prompt_len each; 64 rows, or 4 steps' worth if more (the
+    same 64 rows as ever for the fixed and varying shapes)."""
+    import torch
+
+    rows = max(64, 4 * shape.prompts)
+    data = workdir / (f"prompts_{vocab}.jsonl" if (rows, shape.prompt_len) == (64, PROMPT_LEN)
+                      else f"prompts_{vocab}_{rows}x{shape.prompt_len}.jsonl")
+    if not data.exists():
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(2, vocab, (rows, shape.prompt_len), generator=gen).tolist()
+        data.write_text("".join(json.dumps({"prompt": " ".join(word(i) for i in row), "ground_truth": ""}) + "\n"
+                                for row in ids))
+    return data
 
 
 def word(i: int) -> str:
@@ -106,24 +172,64 @@ def tokenizer_dir(model_dir: Path) -> Path:
     return model_dir.parent / f"tokenizer_{model_dir.name}"
 
 
-def stop_ids(vocab: int, mean: int = MEAN_VARYING) -> list[int]:
-    """k ids such that stopping with probability p = k / vocab per token gives a mean length of `mean` when
-    truncated at NEW_TOKENS: (1 - (1 - p)^N) / p = mean."""
-    lo, hi = 1e-6, 0.5
+def stop_probability(mean: float, new_tokens: int) -> float:
+    """The per-token stop probability p whose geometric length, truncated at new_tokens, has mean `mean`:
+    E[min(G, N)] = sum_{k<N} (1 - p)^k = (1 - (1 - p)^N) / p, solved by bisection."""
+    lo, hi = 1e-9, 0.5
     for _ in range(100):
         p = (lo + hi) / 2
-        length = (1 - (1 - p) ** NEW_TOKENS) / p
-        lo, hi = (p, hi) if length > mean else (lo, p)
-    k = max(1, round(p * vocab))
+        lo, hi = (p, hi) if truncated_mean(p, new_tokens) > mean else (lo, p)
+    return p
+
+
+def truncated_mean(p: float, new_tokens: int) -> float:
+    """Mean response length when each token stops with probability p (the stop token counted), capped at new_tokens."""
+    return (1 - (1 - p) ** new_tokens) / p
+
+
+def stop_ids(vocab: int, mean: float = MEAN_VARYING, new_tokens: int = NEW_TOKENS) -> list[int]:
+    """k ids such that stopping with probability p = k / vocab per token (near-uniform sampling from a random model)
+    gives a mean length of `mean` when truncated at new_tokens: (1 - (1 - p)^N) / p = mean; a share (1 - p)^N of the
+    responses reaches the cap."""
+    k = max(1, round(stop_probability(mean, new_tokens) * vocab))
     step = vocab // k
     return [2 + i * step for i in range(k)]  # spread over the vocabulary, never pad or eos
 
 
+def shape_stop_ids(vocab: int, shape: Shape) -> list[int]:
+    return stop_ids(vocab, shape.mean_len, shape.new_tokens) if shape.mean_len else []
+
+
+def describe_stops(vocab: int, shape: Shape) -> str:
+    """The stop set and what a uniform model would do with it (the measured lengths are in the report)."""
+    ids = shape_stop_ids(vocab, shape)
+    if not ids:
+        return "stop: eos only"
+    p = len(ids) / vocab
+    return (f"stop: eos + {len(ids)} ids of {vocab} (p {p:.2e}/token): uniform sampling would give a mean of "
+            f"{truncated_mean(p, shape.new_tokens):.0f} tokens, {(1 - p) ** shape.new_tokens:.1%} at the cap of "
+            f"{shape.new_tokens}")
+
+
+def length_summary(lengths: list[int], truncated: list[bool]) -> dict:
+    """Per-sample response lengths: count, mean, p50, p90, max, and the share truncated at the cap."""
+    ordered = sorted(lengths)
+    if not ordered:
+        return {}
+
+    def quantile(q: float) -> float:
+        return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+    return {"n": len(ordered), "mean": statistics.mean(ordered), "p50": quantile(0.5), "p90": quantile(0.9),
+            "max": float(ordered[-1]), "truncated": sum(truncated) / len(truncated) if truncated else None}
+
+
 # ------------------------------------------------------------------------------------------------- meshrl
 def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: str, extra: list[str],
-               profile_step: int | None, device: str, nproc: int = 1) -> dict:
+               profile_step: int | None, device: str, nproc: int = 1, save_rollouts: bool = False) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    data = workdir / f"prompts_{vocab}.jsonl"
+    shape = shape_of(lengths, device)
+    data = prompt_file(workdir, vocab, shape)
     run_name = f"{name}_{model_dir.name}_{lengths}_{nproc}_{zlib.crc32(' '.join(extra).encode()):08x}"
     # a run of the same name left by an earlier, interrupted call (its checkpoint on the signal) would stop this one:
     # removed, unless a live process holds its lock (another call of this bench on the same --workdir)
@@ -139,8 +245,8 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
         lock.close()
     overrides = [
         f"model.path={model_dir}", f"model.tokenizer_path={tokenizer_dir(model_dir)}", f"data.train_path={data}",
-        "data.eval_path=null", f"data.batch_size={PROMPTS}",
-        f"data.max_prompt_len={PROMPT_LEN}", f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}",
+        "data.eval_path=null", f"data.batch_size={shape.prompts}", f"data.max_prompt_len={shape.prompt_len}",
+        f"rollout.n={shape.samples}", f"rollout.max_new_tokens={shape.new_tokens}",
         "rollout.temperature=1.0", "algorithm.adv_estimator=grpo", "algorithm.kl.in_reward=false",
         "algorithm.kl.in_loss=false", "actor.optim.lr=1e-6", "actor.ppo_epochs=1", "actor.mini_batch_size=0",
         f"run.total_steps={steps}", "run.eval_every=0", "run.log_every=1", f"run.name={run_name}",
@@ -148,10 +254,12 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
         "checkpoint.resume=never",
         "reward.num_workers=1", "data.shuffle=false",
     ]
-    if lengths == "varying":
-        overrides.append("rollout.stop_token_ids=" + json.dumps(stop_ids(vocab)))
+    if shape.mean_len:
+        overrides.append("rollout.stop_token_ids=" + json.dumps(shape_stop_ids(vocab, shape)))
     if profile_step is not None:
         overrides.append(f"run.profile_step={profile_step}")
+    if save_rollouts:  # each step's samples to runs/NAME/rollouts/step_N.parquet: per-sample response lengths
+        overrides.append("run.save_rollouts=true")
     config = workdir / "bench_ppo_step.yaml"
     config.write_text("reward:\n  functions:\n    - spec: bench_reward:meshrl_reward\n")
     env = dict(os.environ, PYTHONPATH=f"{workdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -161,6 +269,8 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     mine = {e.split("=", 1)[0].strip() for e in extra}  # train_ppo.py refuses a key given twice: extra wins here
     overrides = [o for o in overrides if o.split("=", 1)[0] not in mine]
     cmd = [*launcher, str(ROOT / "train_ppo.py"), "--config", str(config), *overrides, *extra]
+    print(f"meshrl config: {config.name} (reward bench_reward:meshrl_reward) " + " ".join(overrides + extra),
+          flush=True)
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
@@ -190,12 +300,35 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
         values = [r.get(key) for r in rows]
         out[key.split("/")[1]] = values if any(v is not None for v in values) else None
     out["run_dir"] = str(workdir / "runs" / run_name)
+    out["warmup"] = shape.warmup
+    out["length_dist"] = meshrl_lengths(rows, run_dir if save_rollouts else None, shape, vocab)
     # the budget the run trained with (config.yaml is the resolved config: auto's pick)
     import yaml
 
     saved = yaml.safe_load((workdir / "runs" / run_name / "config.yaml").read_text())
     out["micro_batch_tokens"] = saved["actor"]["micro_batch_tokens"]
     return out
+
+
+def meshrl_lengths(rows: list[dict], run_dir: Path | None, shape: Shape, vocab: int) -> dict:
+    """The response-length distribution of a meshrl run: per sample from runs/NAME/rollouts/step_N.parquet when the
+    run saved its rollouts (run_dir given), else from metrics.jsonl's response_length/{mean,max} and clip_ratio (the
+    share of responses >= max_new_tokens long) over the steps; p50 / p90 need the per-sample lengths."""
+    files = sorted((run_dir / "rollouts").glob("step_*.parquet")) if run_dir else []
+    if files:
+        import pyarrow.parquet as pq
+
+        stops = {1, *shape_stop_ids(vocab, shape)}
+        ids = [r for f in files for r in pq.read_table(f, columns=["response_ids"]).column(0).to_pylist()]
+        return length_summary([len(r) for r in ids],
+                              [len(r) >= shape.new_tokens and r[-1] not in stops for r in ids if r])
+    rows = [r for r in rows if "response_length/mean" in r]
+    if not rows:
+        return {}
+    clip = [r["response_length/clip_ratio"] for r in rows if r.get("response_length/clip_ratio") is not None]
+    return {"n": None, "steps": len(rows), "mean": statistics.mean(r["response_length/mean"] for r in rows),
+            "p50": None, "p90": None, "max": max(r.get("response_length/max", 0.0) for r in rows),
+            "truncated": statistics.mean(clip) if clip else None}
 
 
 # ------------------------------------------------------------------------------------------------- TRL
@@ -249,35 +382,74 @@ def trl_worker(spec: dict) -> None:
     cuda = torch.cuda.is_available()
 
     vocab = spec["vocab"]
+    shape = Shape(**spec["shape"])
+    stops = spec["stop_ids"]
     gen_kwargs = {}
-    if spec["lengths"] == "varying":
-        gen_kwargs = {"stop_token_ids": spec["stop_ids"]} if spec["vllm"] else {"eos_token_id": spec["stop_ids"]}
+    if stops:
+        gen_kwargs = {"stop_token_ids": stops} if spec["vllm"] else {"eos_token_id": stops}
     args = GRPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl_out"), per_device_train_batch_size=PROMPTS * SAMPLES,
-        num_generations=SAMPLES, gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=1.0,
+        output_dir=str(Path(spec["workdir"]) / "trl_out"), temperature=1.0,
         beta=0.0, learning_rate=1e-6, bf16=cuda, use_cpu=not cuda, max_steps=spec["steps"], logging_steps=1,
         report_to=[],
-        save_strategy="no", use_vllm=spec["vllm"], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        save_strategy="no", use_vllm=spec["vllm"], vllm_mode="colocate",
         vllm_enable_sleep_mode=False, generation_kwargs=gen_kwargs or None, dataloader_num_workers=0, seed=0,
+        **trl_batch_args(shape),
     )
     data = load_dataset("json", data_files=spec["data"], split="train")
     tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=bench_reward.trl_reward, args=args, train_dataset=data,
+    # every sample's length, and whether it reached the cap without a stop: TRL's own completions/clipped_ratio counts
+    # a response ending on one of the bench's stop ids (not the model's eos) as clipped
+    seen: list[tuple[int, bool]] = []
+    ends = {1, *stops}
+
+    def trl_reward(completions, completion_ids=None, **columns):
+        seen.extend((len(c), len(c) >= shape.new_tokens and c[-1] not in ends) for c in completion_ids or [] if c)
+        return bench_reward.trl_reward(completions, **columns)
+
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=trl_reward, args=args, train_dataset=data,
                           processing_class=tok, callbacks=[clock])
     trainer.train()
-    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    history = trainer.state.log_history
+    lengths = [h["completions/mean_length"] for h in history if "completions/mean_length" in h]
+    logged = {key: [h[key] for h in history if key in h] for key in
+              ("completions/mean_length", "completions/max_length", "completions/min_length",
+               "completions/clipped_ratio", "completions/mean_terminated_length")}
     Path(spec["out"]).write_text(json.dumps({"steps": times, "start_s": first[0] if first else None,
                                              "response_len": statistics.mean(lengths) if lengths else None,
-                                             "vocab": vocab}))
+                                             "vocab": vocab, "warmup": shape.warmup, "trl_logged": logged,
+                                             "length_dist": length_summary([n for n, _ in seen],
+                                                                           [t for _, t in seen])}))
 
 
-def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: bool) -> dict:
+def trl_batch_args(shape: Shape) -> dict:
+    """GRPOConfig's batch, length and memory arguments for a shape. TRL 1.16: one optimizer step (one "step" of its
+    trainer, what the bench times) takes gradient_accumulation_steps micro-batches of per_device_train_batch_size
+    samples; generation_batch_size defaults to per_device_train_batch_size x processes x steps_per_generation and
+    steps_per_generation to gradient_accumulation_steps, so each step generates the whole step's samples at once
+    (prompts x num_generations) and then trains on them in micro-batches; vLLM colocate runs with max_num_seqs equal
+    to that generation batch. fixed / varying: the 64 samples in one micro-batch (TRL's default gradient
+    checkpointing, on, and the whole context left to vLLM to infer); long: micro-batches of shape.trl_micro_batch,
+    gradient checkpointing on, vLLM's context prompt + response."""
+    micro = shape.trl_micro_batch or shape.samples_per_step
+    assert shape.samples_per_step % micro == 0, (shape, micro)
+    args = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=shape.samples_per_step // micro,
+                num_generations=shape.samples, max_completion_length=shape.new_tokens,
+                vllm_gpu_memory_utilization=0.3)
+    if shape.trl_micro_batch:
+        args.update(gradient_checkpointing=True, vllm_max_model_length=shape.prompt_len + shape.new_tokens)
+    return args
+
+
+def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: bool, device: str = "cuda") -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    shape = shape_of(lengths, device)
     out = workdir / f"trl_{model_dir.name}_{lengths}_{int(use_vllm)}.json"
+    out.unlink(missing_ok=True)  # an earlier call's results are not this one's
     spec = {"workdir": str(workdir), "model": str(model_dir), "tokenizer": str(tokenizer_dir(model_dir)),
-            "data": str(workdir / f"prompts_{vocab}.jsonl"),
-            "lengths": lengths, "steps": steps, "vllm": use_vllm, "stop_ids": stop_ids(vocab), "vocab": vocab,
-            "out": str(out)}
+            "data": str(prompt_file(workdir, vocab, shape)), "shape": dataclasses.asdict(shape),
+            "lengths": lengths, "steps": steps, "vllm": use_vllm, "stop_ids": shape_stop_ids(vocab, shape),
+            "vocab": vocab, "out": str(out)}
+    print(f"TRL GRPOConfig: {trl_batch_args(shape)}", flush=True)
     began = time.time()
     proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
                           capture_output=True, text=True)
@@ -300,8 +472,9 @@ def param_count(model_dir: Path) -> int:
     return total
 
 
-def steady(values: list[float]) -> float:
-    tail = values[3:] if len(values) > 3 else values
+def steady(values: list[float], warmup: int = 3) -> float:
+    """The median of the steps after the first `warmup` (all of them if there are no more)."""
+    tail = values[warmup:] if len(values) > warmup else values
     return statistics.median(tail) if tail else float("nan")
 
 
@@ -310,7 +483,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
     ap.add_argument("--systems", nargs="+", default=["meshrl", "trl-vllm", "trl"],
                     choices=["meshrl", "meshrl-vllm", "trl", "trl-vllm"])
-    ap.add_argument("--lengths", nargs="+", default=["fixed", "varying"], choices=["fixed", "varying"])
+    ap.add_argument("--lengths", nargs="+", default=["fixed", "varying"], choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--trl-steps", type=int, default=6, help="steps of TRL's HF-generate mode (~10 s each)")
     ap.add_argument("--workdir", default="/tmp/ppo_step")
@@ -318,12 +491,17 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--nproc", type=int, default=1, help="meshrl's processes (GPUs), the global batch unchanged")
     ap.add_argument("--profile-step", type=int, default=None, help="meshrl: torch.profiler over this step")
-    ap.add_argument("--micro-batch-tokens", type=int, default=WHOLE_STEP,
-                    help="meshrl's actor.micro_batch_tokens (default: the whole step's 64 x 384 tokens in one forward, "
-                         "as TRL's per_device_train_batch_size=64 here; meshrl's own default is 8192)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="meshrl's actor.micro_batch_tokens (default: fixed / varying the whole step's 64 x 384 tokens "
+                         "in one forward, as TRL's per_device_train_batch_size=64 there; long: meshrl's default, auto)")
     ap.add_argument("--defaults", action="store_true",
                     help="also run meshrl with the default micro-batch settings (actor.micro_batch_tokens auto) and "
                          "print both s/step and their ratio")
+    ap.add_argument("--partial", type=float, default=None, metavar="TAIL",
+                    help="also run each meshrl point with partial rollouts (rollout.partial_tail=TAIL "
+                         "rollout.partial_max_staleness=1 actor.tis_cap=2.0) and print both s/step and their ratio")
+    ap.add_argument("--save-rollouts", action="store_true",
+                    help="meshrl: run.save_rollouts=true, for per-sample response lengths (p50, p90) in the report")
     ap.add_argument("--json", default=None, help="also write every result here")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the table of results saved with --json (several runs, one table) and exit")
@@ -342,31 +520,29 @@ def main() -> None:
     for model in args.models:
         model_dir = build_assets(model, workdir)
         params = param_count(model_dir)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         for lengths in args.lengths:
+            shape = shape_of(lengths, args.device)
+            print(f"== {lengths}: {shape.prompts} prompts x {shape.samples} samples, {shape.prompt_len} prompt "
+                  f"tokens, up to {shape.new_tokens} new; {describe_stops(vocab, shape)}", flush=True)
             for system in args.systems:
+                if system == "trl" and lengths == "long":
+                    # HF generate decodes the 512 x 4096-token step in one padded batch: minutes per step
+                    print(f"== trl {model} long: skipped (HF generate at this shape takes minutes per step)")
+                    results.append(dict(skipped="HF generate: minutes per step at this shape", system=system,
+                                        model=model, lengths=lengths, params=params, defaults=False))
+                    continue
                 if system == "trl" and (lengths == "varying" or model != args.models[0]):
                     continue  # TRL's HF-generate mode is ~7x slower than its vLLM mode: one point of reference
-                # --defaults: meshrl a second time without the bench's micro-batch budget (the default config's)
-                for defaults in (False, True) if args.defaults and system.startswith("meshrl") else (False,):
-                    print(f"== {system}{' (defaults)' if defaults else ''} {model} {lengths}", flush=True)
-                    if system.startswith("meshrl"):
-                        extra = [] if defaults else [f"actor.micro_batch_tokens={args.micro_batch_tokens}"]
-                        extra += args.extra
-                        if system == "meshrl-vllm":
-                            extra += ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
-                        r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step,
-                                       args.device, args.nproc)
-                    else:
-                        r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
-                                    system == "trl-vllm")
-                    label = system
-                    if system.startswith("meshrl"):
-                        notes = [f"micro-batch {args.micro_batch_tokens}"] \
-                            if args.micro_batch_tokens != WHOLE_STEP and not defaults else []
-                        notes += [f"defaults: micro-batch auto -> {r.get('micro_batch_tokens')}"] if defaults else []
-                        notes += [f"{args.nproc} ranks"] if args.nproc > 1 else []
-                        label += f" ({', '.join(notes + args.extra)})" if notes or args.extra else ""
-                    r.update(system=label, model=model, lengths=lengths, params=params, defaults=defaults,
+                # --defaults: meshrl a second time without the bench's micro-batch budget (the default config's);
+                # --partial: a run with partial rollouts (the native engine's: meshrl only)
+                variants = ["bench"]
+                variants += ["defaults"] if args.defaults and system.startswith("meshrl") else []
+                variants += ["partial"] if args.partial is not None and system == "meshrl" else []
+                for variant in variants:
+                    r = run_point(args, system, variant, model_dir, lengths, shape, workdir)
+                    r.update(model=model, lengths=lengths, params=params, defaults=variant == "defaults",
+                             partial=args.partial if variant == "partial" else None,
                              nproc=args.nproc if system.startswith("meshrl") else 1,
                              split=any(e.replace(" ", "") == "placement.mode=split" for e in args.extra))
                     if "error" in r:
@@ -379,25 +555,94 @@ def main() -> None:
     report(results, args.peak_tflops)
 
 
+def partial_overrides(tail: float) -> list[str]:
+    return [f"rollout.partial_tail={tail}", "rollout.partial_max_staleness=1", "actor.tis_cap=2.0"]
+
+
+def run_point(args, system: str, variant: str, model_dir: Path, lengths: str, shape: Shape, workdir: Path) -> dict:
+    """One system's run of one point (variant: bench, defaults or partial, see main); the result has its label."""
+    defaults = variant == "defaults"
+    print(f"== {system}{'' if variant == 'bench' else f' ({variant})'} {model_dir.name} {lengths}", flush=True)
+    if not system.startswith("meshrl"):
+        r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
+                    system == "trl-vllm", args.device)
+        r["system"] = system
+        return r
+    # the bench's micro-batch budget: the whole step at the short shapes, auto (the default) at long
+    budget = args.micro_batch_tokens if args.micro_batch_tokens is not None else \
+        (None if lengths == "long" else shape.whole_step)
+    extra = [] if defaults or budget is None else [f"actor.micro_batch_tokens={budget}"]
+    extra += args.extra
+    if system == "meshrl-vllm":
+        extra += ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"]
+    if variant == "partial":
+        extra += partial_overrides(args.partial)
+    r = run_meshrl(model_dir, workdir, lengths, args.steps, system, extra, args.profile_step, args.device,
+                   args.nproc, args.save_rollouts)
+    notes = [f"micro-batch {budget}"] if not defaults and args.micro_batch_tokens not in (None, shape.whole_step) \
+        else []
+    notes += [f"defaults: micro-batch auto -> {r.get('micro_batch_tokens')}"] if defaults else []
+    notes += [f"micro-batch auto -> {r.get('micro_batch_tokens')}"] if budget is None and not defaults else []
+    notes += [f"partial tail {args.partial}"] if variant == "partial" else []
+    notes += [f"{args.nproc} ranks"] if args.nproc > 1 else []
+    r["system"] = system + (f" ({', '.join(notes + args.extra)})" if notes or args.extra else "")
+    return r
+
+
 def defaults_report(results: list[dict]) -> None:
     """--defaults: each meshrl point's default-config run against the bench config's run before it."""
     bench = None
     for r in results:
         if not r.get("defaults"):
-            bench = r
+            bench = r if r.get("partial") is None else bench
             continue
         if "error" in r or bench is None or "error" in bench:
             print(f"defaults {r['model']} {r['lengths']}: failed (see the log)")
             continue
-        s_default, s_bench = steady(r["steps"]), steady(bench["steps"])
+        s_default, s_bench = steady(r["steps"], r.get("warmup", 3)), steady(bench["steps"], bench.get("warmup", 3))
         print(f"defaults {r['model']} {r['lengths']}: {s_default:.3f} s/step (micro-batch auto -> "
               f"{r.get('micro_batch_tokens')}) vs bench config {s_bench:.3f} s/step (micro-batch "
               f"{bench.get('micro_batch_tokens')}): {s_default / s_bench:.3f}x (target <= 1.10)")
 
 
+def partial_report(results: list[dict]) -> None:
+    """--partial: each meshrl point's run with partial rollouts against the bench config's run before it."""
+    bench = None
+    for r in results:
+        if r.get("partial") is None:
+            bench = r if not r.get("defaults") else bench
+            continue
+        if "error" in r or bench is None or "error" in bench:
+            print(f"partial {r['model']} {r['lengths']}: failed (see the log)")
+            continue
+        s_partial, s_bench = steady(r["steps"], r.get("warmup", 3)), steady(bench["steps"], bench.get("warmup", 3))
+        keys = " ".join(partial_overrides(r["partial"]))
+        print(f"partial {r['model']} {r['lengths']}: {s_partial:.3f} s/step ({keys}) vs {s_bench:.3f} s/step "
+              f"without: {s_partial / s_bench:.3f}x")
+
+
+def lengths_report(results: list[dict]) -> None:
+    """Each run's response lengths: per sample (TRL; meshrl with --save-rollouts) or from meshrl's metrics (mean,
+    max and the share at the cap, over the steps)."""
+    rows = [r for r in results if r.get("length_dist")]
+    if not rows:
+        return
+    print("| model | lengths | system | samples | mean | p50 | p90 | max | truncated at the cap |")
+    print("|" + " --- |" * 9)
+
+    def cell(value, form: str = "{:.0f}") -> str:
+        return "-" if value is None else form.format(value)
+
+    for r in rows:
+        d = r["length_dist"]
+        n = cell(d.get("n")) if d.get("n") is not None else f"{d.get('steps')} steps (metrics)"
+        print(f"| {r['model']} | {r['lengths']} | {r['system']} | {n} | {cell(d.get('mean'))} | {cell(d.get('p50'))} "
+              f"| {cell(d.get('p90'))} | {cell(d.get('max'))} | {cell(d.get('truncated'), '{:.1%}')} |")
+
+
 def phase_cell(result: dict, phase: str) -> str:
     """A phase's steady seconds, or "-" for a phase the run does not have."""
-    return f"{steady(result[phase]):.3f}" if result.get(phase) else "-"
+    return f"{steady(result[phase], result.get('warmup', 3)):.3f}" if result.get(phase) else "-"
 
 
 def report(results: list[dict], peak_tflops: float) -> None:
@@ -406,17 +651,18 @@ def report(results: list[dict], peak_tflops: float) -> None:
             "vs TRL+vLLM |")
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
-    peers = {(r["model"], r["lengths"]): steady(r["steps"]) for r in results
-             if r["system"] == "trl-vllm" and "error" not in r}
+    peers = {(r["model"], r["lengths"]): steady(r["steps"], r.get("warmup", 3)) for r in results
+             if r["system"] == "trl-vllm" and "error" not in r and "skipped" not in r}
     for r in results:
-        if "error" in r:
-            print(f"| {r['model']} | {r['lengths']} | {r['system']} | failed (see the log) |" + " |" * 11)
+        if "error" in r or "skipped" in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else "failed (see the log)"
+            print(f"| {r['model']} | {r['lengths']} | {r['system']} | {why} |" + " |" * 11)
             continue
-        s = steady(r["steps"])
+        s = steady(r["steps"], r.get("warmup", 3))
         first3 = sum(r["steps"][:3])
         phases = ["-"] * 7
         if "update_actor" in r:
-            upd = steady(r["update_actor"])
+            upd = steady(r["update_actor"], r.get("warmup", 3))
             mfu = 6 * r["params"] * r["tokens"] / upd / (peak_tflops * 1e12)
             parts = " / ".join(phase_cell(r, f"gen_{p}") for p in ("prefill", "capture", "decode"))
             # tokens are per rank of the whole world: on split pools the update runs on the actor's ranks only
@@ -431,6 +677,9 @@ def report(results: list[dict], peak_tflops: float) -> None:
               + " | ".join(phases) + f" | {ratio} |")
     if any(r.get("defaults") for r in results):
         defaults_report(results)
+    if any(r.get("partial") is not None for r in results):
+        partial_report(results)
+    lengths_report(results)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The benchmark scripts' own plumbing on CPU (their figures need a GPU: bench/RESULTS.md)."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -113,3 +114,87 @@ def test_real_model_bench_parses_its_arguments():
     proc = subprocess.run([sys.executable, "bench/real_model.py", "--help"], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--unpack" in proc.stdout and "trl-vllm" in proc.stdout, explain(proc)
+
+
+def bench_module(name: str):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_ppo_step_stop_ids_give_the_truncated_mean_they_are_sized_for():
+    """stop_ids(vocab, mean, N): k ids, so that a uniform model stops with p = k / vocab per token; the response
+    length is then min(G, N), G geometric on 1, 2, ... (the stop token counted). Simulated, that mean is the closed
+    form's, and k is the integer that brings it nearest the wanted mean: ~1000 of 4096 for the long shape at the 1.5B
+    vocabulary, ~2% of the responses at the cap."""
+    import torch
+
+    ppo_step = bench_module("ppo_step")
+    gen = torch.Generator().manual_seed(0)
+    for vocab, mean, cap in ((151936, 1000, 4096), (151936, 100, 256), (512, 48, 192)):
+        ids = ppo_step.stop_ids(vocab, mean, cap)
+        assert len(set(ids)) == len(ids) and min(ids) >= 2 and max(ids) < vocab  # never pad (0) or eos (1)
+        p = len(ids) / vocab
+        # G = 1 + floor(log U / log(1 - p)) is geometric with success probability p
+        draws = 1 + torch.floor(torch.log(torch.rand(400_000, generator=gen, dtype=torch.float64)) / math.log1p(-p))
+        lengths = draws.clamp(max=cap)
+        simulated, at_cap = float(lengths.mean()), float((draws > cap).double().mean())  # no stop in N
+        assert abs(simulated - ppo_step.truncated_mean(p, cap)) < 0.01 * mean, (vocab, mean, simulated)
+        assert abs(at_cap - (1 - p) ** cap) < 0.003, (at_cap, (1 - p) ** cap)
+        off = [abs(ppo_step.truncated_mean(k / vocab, cap) - mean) for k in (len(ids) - 1, len(ids), len(ids) + 1)]
+        assert off[1] <= min(off), (vocab, mean, off)
+    long = ppo_step.SHAPES["long"]
+    p = len(ppo_step.shape_stop_ids(151936, long)) / 151936
+    assert abs(ppo_step.truncated_mean(p, long.new_tokens) - 1000) < 10 and 0.01 < (1 - p) ** 4096 < 0.03
+    # the varying shape's set is the one it always had (the default arguments: mean 100 at 256 tokens)
+    assert ppo_step.stop_ids(151936) == ppo_step.shape_stop_ids(151936, ppo_step.SHAPES["varying"])
+
+
+def test_ppo_step_shapes_and_trl_batch_arguments():
+    """The shape table: fixed and varying as they were (8 x 8 samples of 128 + 256 tokens), long 32 x 16 of 256 +
+    up to 4096, smaller on the CPU; TRL's arguments give one optimizer step over the whole step's samples, generated
+    at once (generation_batch_size defaults to per_device_train_batch_size x gradient_accumulation_steps)."""
+    ppo_step = bench_module("ppo_step")
+    shapes = ppo_step.SHAPES
+    assert [(s.prompts, s.samples, s.prompt_len, s.new_tokens, s.mean_len) for s in shapes.values()] == \
+        [(8, 8, 128, 256, None), (8, 8, 128, 256, 100), (32, 16, 256, 4096, 1000)]
+    assert ppo_step.WHOLE_STEP == shapes["fixed"].whole_step == 64 * 384
+    assert ppo_step.shape_of("fixed", "cpu") == shapes["fixed"] and ppo_step.shape_of("long", "cuda") == shapes["long"]
+    assert ppo_step.shape_of("long", "cpu").whole_step * 50 < shapes["long"].whole_step
+    assert ppo_step.trl_batch_args(shapes["fixed"]) == dict(
+        per_device_train_batch_size=64, gradient_accumulation_steps=1, num_generations=8, max_completion_length=256,
+        vllm_gpu_memory_utilization=0.3)
+    long = ppo_step.trl_batch_args(shapes["long"])
+    assert long["per_device_train_batch_size"] * long["gradient_accumulation_steps"] == 512
+    assert (long["num_generations"], long["max_completion_length"], long["vllm_max_model_length"]) == (16, 4096, 4352)
+    assert long["gradient_checkpointing"]
+
+
+def test_ppo_step_long_smoke_on_cpu_and_the_partial_report(tmp_path):
+    """--lengths long --device cpu: meshrl's run at the scaled-down shape, its per-sample lengths from the saved
+    rollouts, TRL's HF-generate row skipped; then --report pairs a --partial run with the bench run before it."""
+    out = tmp_path / "results.json"
+    proc = run_python(["bench/ppo_step.py", "--models", str(tiny_model(tmp_path)), "--systems", "meshrl", "trl",
+                       "--lengths", "long", "--steps", "2", "--device", "cpu", "--save-rollouts", "--workdir",
+                       str(tmp_path / "work"), "--json", str(out)], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    meshrl, trl = json.loads(out.read_text())
+    assert "error" not in meshrl, meshrl["error"]
+    cpu_long = bench_module("ppo_step").CPU_SHAPES["long"]
+    dist = meshrl["length_dist"]
+    assert dist["n"] == 2 * cpu_long.samples_per_step and 1 <= dist["mean"] <= dist["max"] <= cpu_long.new_tokens
+    assert 0 <= dist["truncated"] <= 1 and meshrl["warmup"] == 1
+    assert "skipped" in trl and "| trl | skipped:" in proc.stdout, proc.stdout
+    assert "| samples | mean | p50 | p90 | max | truncated at the cap |" in proc.stdout
+
+    common = dict(model="m", lengths="long", params=1, tokens=1000, response_len=900.0, start_s=1.0, nproc=1,
+                  warmup=1, defaults=False)
+    results = [dict(common, system="meshrl", steps=[9.0, 4.0, 4.2, 4.1], partial=None),
+               dict(common, system="meshrl (partial tail 0.25)", steps=[9.0, 3.0, 3.2, 3.1], partial=0.25)]
+    out.write_text(json.dumps(results))
+    proc = run_python(["bench/ppo_step.py", "--report", str(out)], timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    assert ("partial m long: 3.100 s/step (rollout.partial_tail=0.25 rollout.partial_max_staleness=1 "
+            "actor.tis_cap=2.0) vs 4.100 s/step without: 0.756x") in proc.stdout, proc.stdout
