@@ -7,6 +7,8 @@
         qwen2.5-7b mistral-7b --hf-prompts 64 --no-spread                 # the families at their real shapes
     python bench/rollout.py --models qwen2.5-0.5b --top-p 0.9 --kernels torch triton   # top-p: sort against kernel
     python bench/rollout.py --models qwen2.5-0.5b --prompts 1024 --max-num-seqs 256 --hf-prompts 0   # 4x the slots
+    python bench/rollout.py --models qwen2.5-1.5b --new 2048 --spread 256 4096 --hf-prompts 0 --partial 0.25
+                                                  # long, ragged responses: the draining tail, and partial rollouts
     torchrun --nproc_per_node 2 bench/rollout.py --layout tp --hf-prompts 0   # one engine over 2 GPUs (TP=2)
     torchrun --nproc_per_node 2 bench/rollout.py --layout dp --hf-prompts 0   # 2 engines, half the prompts each
 
@@ -18,6 +20,8 @@ change speed. Runs per model:
 - spread: the same prompts, each with its own response length drawn uniformly from --spread LOW HIGH (forced through
   the per-prompt max_new_tokens, no stop tokens), so sequences finish at different steps. HF `generate` is not run
   here: a static batch runs every row to the longest, so its figure would be the equal run's times mean/max length.
+- spread + partial (--partial TAIL): partial_stream below, the spread's lengths in a stream of calls that end at
+  their tail and continue the unfinished sequences in the next call.
 Each engine run is warmed up once with the same shapes first (torch.compile and CUDA-graph capture stay out of the
 timed run: the engine is resident, so the timed call replays the warm-up's graphs, as a training run's rollouts after
 the first do; --no-resident captures in every call). Tokens/s counts generated tokens only. The prefill
@@ -38,6 +42,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -197,6 +202,17 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
                 kernels=variant,
                 tokens=tokens, ours_s=seconds, ours_tps=tokens / seconds, peak_gib=peak, prefill_s=prefill_s,
                 step_ms=step_ms, graphs=stats["graphs"]))
+        if args.spread and args.partial:
+            got = partial_stream(engine, prompts[share], low, high, args, cut, device, gen)
+            variant_rows.append(dict(
+                model=name, run=f"spread {args.prompts}x({args.prompt_len}+{low}..{high}) + partial {args.partial}: "
+                f"{args.partial_steps - 2} calls, {got.pop('continued'):.0f} continued per call{slots_note(stats)}",
+                kernels=variant, **got))
+            equal_tps = next(r["ours_tps"] for r in variant_rows if r["run"].startswith("equal"))
+            spread_tps = variant_rows[-2]["ours_tps"]
+            print(f"[{name} partial {args.partial}] {got['ours_tps']:,.0f} tokens/s: "
+                  f"{got['ours_tps'] / equal_tps:.3f}x the equal run, {got['ours_tps'] / spread_tps:.3f}x the spread "
+                  "run without", flush=True)
 
     if args.hf_prompts > 0:
         ids = torch.tensor(prompts[: args.hf_prompts], device=device)
@@ -210,6 +226,52 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
             if r["run"].startswith("equal"):
                 r.update(hf=f"{args.hf_prompts} prompts", hf_tps=hf_tokens / hf_s, hf_peak_gib=hf_peak)
     return rows + variant_rows
+
+
+def partial_stream(engine: NativeEngine, prompts: list[list[int]], low: int, high: int, args, cut: dict,
+                   device: torch.device, gen: torch.Generator) -> dict:
+    """--partial TAIL: a training run's rollouts with partial rollouts (rollout/partial.py), --partial-steps calls in a
+    row. Each call takes every prompt afresh with new lengths drawn from [low, high] (forced, as the spread run's) and,
+    first, what the call before left unfinished: as prompt + tokens so far (prefilled again), the rest of its length
+    as its limit; those that reached --partial-staleness calls of age among the call's first sequences
+    (finish_first). Each call returns once fewer than TAIL of the slots still decode (SamplingParams.tail_share).
+    Tokens/s over the calls after the first two (which meet the new shapes: compiles and captures)."""
+    carried: list[tuple[list[int], int, int]] = []  # (prompt + tokens so far, tokens left, calls of age)
+    seed = torch.Generator(device=device).manual_seed(0)
+    tokens = seconds = prefill_s = decode_s = decode_steps = continued = 0
+    peak = 0.0
+    for call in range(args.partial_steps):
+        targets = torch.randint(low, high + 1, (len(prompts),), generator=gen).tolist()
+        carried.sort(key=lambda c: c[2] < args.partial_staleness)  # the ones at the bound first
+        finish = sum(c[2] >= args.partial_staleness for c in carried)
+        params = SamplingParams(max_new_tokens=high, temperature=1.0, tail_share=args.partial, finish_first=finish,
+                                **cut)
+        call_prompts = [c[0] for c in carried] + prompts
+        limits = [c[1] for c in carried] + targets
+        ages = [c[2] for c in carried] + [0] * len(prompts)
+        out, took, call_peak = timed(partial(engine.generate, call_prompts, params, seed, max_new_tokens=limits))
+        lengths = out.response_mask.sum(-1).tolist()
+        left = out.unfinished.nonzero()[:, 0].tolist()
+        rows = out.response_ids[left].tolist()
+        stats = engine.stats
+        print(f"[partial {args.partial}] call {call}: {len(call_prompts)} sequences ({len(carried)} continued, "
+              f"{finish} to end), {sum(lengths)} tokens in {took:.2f} s, {len(left)} left unfinished; "
+              f"prefill {stats['prefill_s']:.3f} s, decode {stats['decode_s']:.3f} s in {stats['decode_steps']} "
+              "steps", flush=True)
+        carried = [(call_prompts[i] + row[: lengths[i]], limits[i] - lengths[i], ages[i] + 1)
+                   for i, row in zip(left, rows)]
+        if call >= 2:
+            tokens += sum(lengths)
+            seconds += took
+            prefill_s += stats["prefill_s"]
+            decode_s += stats["decode_s"]
+            decode_steps += stats["decode_steps"]
+            continued += len(call_prompts) - len(prompts)
+            peak = max(peak, call_peak)
+    timed_calls = max(args.partial_steps - 2, 1)
+    return dict(tokens=tokens, ours_s=seconds, ours_tps=tokens / max(seconds, 1e-9), peak_gib=peak,
+                prefill_s=prefill_s / timed_calls, step_ms=decode_s / max(decode_steps, 1) * 1e3,
+                continued=continued / timed_calls, graphs=engine.stats["graphs"])
 
 
 def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32, label: str = "") -> None:
@@ -296,6 +358,13 @@ def main() -> None:
                         help="with sequences decoding, admit waiting ones only when this many slots are free "
                              "(default: the engine's: with prefill graphs the samples per prompt, else an eighth of "
                              "the slots)")
+    parser.add_argument("--partial", type=float, default=None, metavar="TAIL",
+                        help="after the spread run, a stream of calls with partial rollouts ending at this share of "
+                             "the slots (rollout.partial_tail); tokens/s against the equal and spread runs")
+    parser.add_argument("--partial-steps", type=int, default=6, help="--partial: calls in the stream (2 warm up)")
+    parser.add_argument("--partial-staleness", type=int, default=1,
+                        help="--partial: calls a continued sequence may span before it must end "
+                             "(rollout.partial_max_staleness)")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-prefill-graphs", action="store_true",
