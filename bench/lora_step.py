@@ -46,6 +46,7 @@ def _load_ppo_step():
 
     spec = importlib.util.spec_from_file_location("ppo_step", ROOT / "bench" / "ppo_step.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
