@@ -4,8 +4,8 @@
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --profile-step 4
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --nproc 2   # 2 GPUs, FSDP2
     python bench/ppo_step.py --models qwen2.5-0.5b --systems meshrl --lengths fixed --defaults  # the defaults' speed
-    python bench/ppo_step.py --models qwen2.5-1.5b --systems meshrl --lengths long --steps 4 --partial 0.25
-    python bench/ppo_step.py --models qwen2.5-1.5b --systems trl-vllm --lengths long --steps 3  # ~1 min a step
+    python bench/ppo_step.py --models qwen2.5-1.5b --systems meshrl --lengths long --steps 3 --partial 0.25
+    python bench/ppo_step.py --models qwen2.5-1.5b --systems trl-vllm --lengths long --steps 3  # ~1 min a step?
 
 The work of ../shared/BENCHMARKS.md: 8 prompts x 8 samples per step, 128 random prompt tokens, up to 256 new tokens,
 temperature 1, no reference model and no KL (beta 0), lr 1e-6, one optimizer step per rollout, bf16 compute, on
@@ -18,12 +18,13 @@ random-init models built from configs/models/<name>.json (weights do not change 
   new tokens, temperature 1; stop ids sized so that near-uniform sampling gives a geometric (long-tailed) length
   with a mean of ~1000 tokens once truncated at 4096, ~2% of the responses at the cap (stop_ids: (1 - (1 - p)^N) / p
   = mean for a stop probability p per token). "steady" leaves out the first step only here. meshrl keeps its
-  default micro-batch budget (auto; ~17k tokens on an H200 at 1.5B) and its default 256 decode slots (the 512
-  samples refill them as responses end). TRL + vLLM: one TRL step (what its clock times) is one optimizer step over
-  the step's 512 samples, generated at once (generation_batch_size 512 = per_device_train_batch_size 8 x
-  gradient_accumulation_steps 64, steps_per_generation defaulting to the latter; vLLM's max_num_seqs 512), then
-  trained in 64 micro-batches of 8 with gradient checkpointing, vLLM's context 256 + 4096 tokens and 0.3 of the GPU
-  (trl_batch_args). TRL's HF-generate mode is not run at this shape (minutes per step): its row says skipped.
+  default micro-batch budget (auto; the planner's pick on an H200 at 1.5B: 4 full rows, 17,408 tokens) and its
+  default 256 decode slots (the 512 samples refill them as responses end). TRL + vLLM: one TRL step (what its clock
+  times) is one optimizer step over the step's 512 samples, generated at once (generation_batch_size 512 =
+  per_device_train_batch_size 8 x gradient_accumulation_steps 64, steps_per_generation defaulting to the latter;
+  vLLM's max_num_seqs 512), then trained in 64 micro-batches of 8 with gradient checkpointing, vLLM's context
+  256 + 4096 tokens and 0.3 of the GPU (trl_batch_args). TRL's HF-generate mode is not run at this shape (minutes
+  per step): its row says skipped.
   With --device cpu the long shape shrinks to a smoke run (CPU_SHAPES).
 Each system runs as its own process, one after the other, for --steps steps; "steady" is the median of the steps
 after the first three, "first 3" their sum, "start" the seconds from process start to the first step. For meshrl
