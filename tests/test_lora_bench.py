@@ -1,0 +1,54 @@
+"""bench/lora_step.py's plumbing on CPU, without TRL or vLLM: the systems' overrides and TRL arguments, the report."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lora_step():
+    spec = importlib.util.spec_from_file_location("lora_step", ROOT / "bench" / "lora_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_systems_overrides_and_trl_arguments():
+    """meshrl-lora-vllm is meshrl-lora plus the vLLM engine at VLLM_SHARE; an override given after -- wins. TRL's two
+    LoRA systems differ only in use_vllm; the fixed shape's 64 samples in one micro-batch, vLLM at the same share."""
+    ls = lora_step()
+    lora = ls.meshrl_overrides("meshrl-lora", 16, ["actor.micro_batch_tokens=8192"])
+    assert lora == ["actor.lora.rank=16", "actor.lora.alpha=32", "actor.micro_batch_tokens=8192"]
+    assert ls.meshrl_overrides("meshrl-lora-vllm", 16, ["actor.micro_batch_tokens=8192"]) == \
+        ["actor.lora.rank=16", "actor.lora.alpha=32", "rollout.engine=vllm",
+         f"rollout.gpu_memory_utilization={ls.VLLM_SHARE}", "actor.micro_batch_tokens=8192"]
+    assert ls.meshrl_overrides("meshrl-full", 16, []) == [f"actor.micro_batch_tokens={ls.STEP_TOKENS}"]
+    assert ls.STEP_TOKENS == 64 * 384
+    hf, vllm = ls.trl_args(False), ls.trl_args(True)
+    assert {k for k in hf if hf[k] != vllm[k]} == {"use_vllm"}
+    assert (vllm["vllm_mode"], vllm["vllm_gpu_memory_utilization"], vllm["vllm_enable_sleep_mode"]) == \
+        ("colocate", ls.VLLM_SHARE, False)
+    assert (vllm["per_device_train_batch_size"], vllm["gradient_accumulation_steps"], vllm["num_generations"],
+            vllm["max_completion_length"], vllm["beta"]) == (64, 1, 8, 256, 0.0)
+
+
+def test_report_ratios_against_meshrl_lora_and_skipped_rows(capsys):
+    ls = lora_step()
+    row = dict(model="m", params=1, start_s=10.0, memory_gb=50.0)
+    results = [dict(row, system="meshrl-lora", steps=[30.0, 3.0, 3.0, 2.0, 2.0], update_actor=[1.0] * 5),
+               dict(row, system="meshrl-lora-vllm", steps=[9.0, 4.0, 4.0, 4.0, 4.0], gpu_memory_used_gb=90.0),
+               dict(row, system="trl-vllm-lora", steps=[9.0, 9.0, 9.0, 8.0, 8.0]),
+               dict(model="m", system="trl-lora", skipped=ls.CPU_SKIP)]
+    ls.report(results)
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[0].count("|")
+    assert all(line.count("|") == head for line in lines), lines
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[2:]]
+    cells = {r[1]: r for r in rows}
+    assert cells["meshrl-lora"][-3:] == ["1.00x", "4.00x", "-"]
+    assert cells["meshrl-lora-vllm"][-3:] == ["0.50x", "2.00x", "-"]
+    assert cells["meshrl-lora-vllm"][10] == "90.0"
+    assert cells["trl-vllm-lora"][-3:] == ["0.25x", "1.00x", "-"]
+    assert "skipped: vLLM runs on GPUs only" in cells["trl-lora"][3]
