@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import compile_cache
 import config as C
 from monitor import quiet_libraries
 from parallel import comm
@@ -58,6 +59,11 @@ def main(argv: list[str]) -> int:
     layout = build_layout(C.pools_of(cfg, info.world_size), info.device.type)
     if info.rank == 0:
         print(layout.describe(C.required_roles(cfg)), flush=True)
+    cache = C.compile_cache_folder(cfg)
+    if cache and info.device.type == "cuda":  # before anything compiles: what an earlier run compiled (GPU only)
+        said = compile_cache.load(compile_cache.cache_file(cache, info.rank, info.world_size, info.device))
+        if info.rank == 0 or "could not" in said:
+            log.info("%s", said)
     try:
         trainer = PPOTrainer(cfg, layout, info.device)
     except ValueError as e:  # bad data or reward spec: every rank hits it, before any step

@@ -31,6 +31,7 @@ from config.cli import (  # noqa: F401
     parse_or_exit,
 )
 from config.derived import (  # noqa: F401
+    compile_cache_folder,
     episodes,
     old_logprobs_pass,
     path_list,

@@ -4,6 +4,8 @@ log-probs need a pass of their own."""
 
 from __future__ import annotations
 
+import os
+
 from config.schema import ROLES, Config, ConfigError, PoolConfig
 
 
@@ -85,3 +87,9 @@ def required_roles(cfg: Config) -> tuple[str, ...]:
     if cfg.algorithm.distill.coef > 0:
         roles.append("teacher")
     return tuple(roles)
+
+
+def compile_cache_folder(cfg: Config) -> str | None:
+    """Where run.compile_cache keeps compiled artifacts (None: off)."""
+    folder = cfg.run.compile_cache
+    return os.path.join(cfg.run.output_dir, "compile_cache") if folder == "auto" else folder

@@ -36,6 +36,9 @@ class RunConfig:
     wandb_entity: str | None = None  # the W&B team or user; default: your W&B default
     profile_step: int | None = None  # torch.profiler over this step: profile_step<N>_rank<R>.{txt,json} in the run dir
     save_rollouts: bool = False  # each step's samples to runs/NAME/rollouts/step_N.parquet (for data.rollouts_path)
+    # GPU: torch.compile's artifacts saved by each rank after its first steps and loaded by the next run before it
+    # compiles (compile_cache.py): a run on a fresh machine starts warm. auto: output_dir/compile_cache; null: off
+    compile_cache: str | None = "auto"
 
     def __post_init__(self):
         # the run folder is output_dir/name: a name with a separator, '..' or an absolute path would reach another

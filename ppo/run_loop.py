@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+import compile_cache
 import config as C
 from monitor import (
     eval_metrics,
@@ -86,16 +87,27 @@ class RunLoop:
             if diverged:
                 raise RuntimeError(f"the actor skipped {cfg.checkpoint.max_skipped_steps} optimizer steps in a row "
                                    "(non-finite loss or gradient norm); stopping. The last checkpoint is intact.")
+            if step - start == compile_cache.SAVE_AFTER_STEP:
+                self._save_compiled()
             if signalled:
                 self.finish_save()
                 log.info("stop signal received: saved step %d, exiting", step)
                 break
+        self._save_compiled()  # what the last steps and the final evaluation compiled besides
         if bar is not None:
             bar.close()
         if self.rank == 0:
             self._write_summary()
         self.close()
         return {"before": before, "after": last.get("eval/score/mean", float("nan"))}
+
+    def _save_compiled(self) -> None:
+        """run.compile_cache: this rank's torch.compile artifacts to its file, for the next run (GPU only)."""
+        folder = C.compile_cache_folder(self.cfg)
+        if folder and self.device.type == "cuda":
+            said = compile_cache.save(compile_cache.cache_file(folder, self.rank, self.layout.world_size, self.device))
+            if said and (self.rank == 0 or "could not" in said):
+                log.info("%s", said)
 
     def evaluate(self) -> tuple[dict[str, float], list[tuple[int, str, str, float, dict]]]:
         """Greedy (rollout.eval_temperature) responses to the held-out prompts, scored by the reward pool: the eval

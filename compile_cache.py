@@ -1,0 +1,82 @@
+"""Compiled code kept across runs and machines (run.compile_cache).
+
+On a GPU the first steps of a process compile the native engine's decode step and the trainers' blocks with
+torch.compile (~15-20 s of a cold first step at 0.5B on an H200); Inductor keeps what it built in its own caches under
+/tmp, which a cluster job on another node, or a fresh machine, does not have. Here each rank saves the artifacts of its
+compiles (Inductor's FX graphs, AOTAutograd's, the Triton kernels: torch.compiler.save_cache_artifacts) to one file
+in the run.compile_cache folder after its first steps, and a later run loads its rank's file before compiling
+(load_cache_artifacts): the compiles become cache hits (Dynamo still traces). The file's name holds what the
+artifacts depend on: the torch version, the GPU, the world size and the rank. A file that cannot be read or loaded
+is reported and ignored (the run compiles as without it), never fatal; a save that fails is reported, and training
+goes on. Nothing is saved where nothing was compiled (the CPU: torch.compile is used on GPUs only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import torch
+
+log = logging.getLogger("meshrl")
+
+SAVE_AFTER_STEP = 3  # the first steps compile (the update's recompile for new lengths is in step 2); saved after
+
+
+def cache_file(folder: str, rank: int, world_size: int, device: torch.device) -> str:
+    """The rank's artifact file in `folder`, named after what its artifacts depend on."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = f"torch{torch.__version__}-{gpu}-w{world_size}-r{rank}"
+    return os.path.join(folder, re.sub(r"[^A-Za-z0-9_.+-]", "_", name) + ".bin")
+
+
+def _keys(info) -> set[str]:
+    return {f"{kind}:{key}" for kind, keys in info.artifacts.items() for key in keys}
+
+
+def load(path: str) -> str:
+    """Load the artifacts of `path` into this process's compile caches; returns what happened, for the log."""
+    if not os.path.exists(path):
+        return f"compile cache: none yet at {path} (this run's compiles are saved there after step {SAVE_AFTER_STEP})"
+    try:
+        with open(path, "rb") as f:
+            info = torch.compiler.load_cache_artifacts(f.read())
+    except Exception as e:  # a torn or foreign file: compile as without it
+        return f"compile cache: {path} could not be loaded ({type(e).__name__}: {e}); compiling without it"
+    count = len(_keys(info)) if info is not None else 0
+    if not count:  # torch reads a torn file (or another version's) as holding nothing
+        return (f"compile cache: {path} could not be loaded (no artifacts this torch can read: a torn file, or "
+                "another torch's); compiling without it")
+    return f"compile cache: loaded {count} artifacts from {path}"
+
+
+def save(path: str) -> str | None:
+    """Save what this process compiled (and the loaded artifacts it used) to `path`, unless nothing was compiled or
+    the file already holds every artifact; returns what happened, for the log (None: nothing to say)."""
+    got = torch.compiler.save_cache_artifacts()
+    if got is None:
+        return None
+    data, info = got
+    keys = _keys(info)
+    if not keys:
+        return None
+    index = path + ".json"  # the artifact keys the file holds
+    try:
+        with open(index) as f:
+            held = set(json.load(f))
+    except (OSError, ValueError):
+        held = set()
+    if keys <= held and os.path.exists(path):
+        return None
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        for target, payload, mode in ((path, data, "wb"), (index, json.dumps(sorted(keys)), "w")):
+            partial = f"{target}.{os.getpid()}.tmp"
+            with open(partial, mode) as f:
+                f.write(payload)
+            os.replace(partial, target)  # a reader never sees half a file
+    except OSError as e:
+        return f"compile cache: could not save {path} ({e}); training goes on"
+    return f"compile cache: saved {len(keys)} artifacts ({len(data) / 2**20:.1f} MiB) to {path}"

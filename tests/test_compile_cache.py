@@ -1,0 +1,60 @@
+"""run.compile_cache (compile_cache.py): what one process compiled, saved to a file, turns another process's compile
+(with empty Inductor caches: a fresh machine) into cache hits; a torn file is reported and compiled around; a save
+that adds nothing is skipped. Real torch.compile (Inductor on the CPU) in real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import torch
+
+from compile_cache import cache_file
+from conftest import explain, run_python
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    from torch._dynamo.utils import counters
+    import compile_cache
+
+    path, corrupt = sys.argv[1], sys.argv[2] == "corrupt"
+    said = [compile_cache.load(path)]
+    f = torch.compile(lambda x: (x * 2).sin() + x.cos())
+    f(torch.randn(16))
+    said.append(compile_cache.save(path) if not corrupt else None)
+    print(json.dumps({"said": said, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                      "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+''')
+
+
+def run(tmp_path, name: str, path, mode: str = "plain") -> dict:
+    script = tmp_path / "compile_once.py"
+    script.write_text(SCRIPT)
+    proc = run_python([str(script), str(path), mode], timeout=300, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / name),
+                      TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
+    assert proc.returncode == 0, explain(proc)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_saved_compile_is_a_cache_hit_in_a_fresh_process(tmp_path):
+    path = tmp_path / "cache" / "rank0.bin"
+    first = run(tmp_path, "machine_a", path)
+    assert "none yet" in first["said"][0] and first["misses"] == 1 and first["hits"] == 0
+    assert first["said"][1].startswith("compile cache: saved") and path.exists()
+    # another machine: empty Inductor caches, the file loaded first
+    second = run(tmp_path, "machine_b", path)
+    assert "loaded 2 artifacts" in second["said"][0], second  # Inductor's graph and AOTAutograd's
+    assert second["hits"] == 1 and second["misses"] == 0, second
+    assert second["said"][1] is None, "nothing new to save"
+    assert json.loads((tmp_path / "cache" / "rank0.bin.json").read_text())
+    # a torn file: reported, and the process compiles as without it
+    path.write_bytes(path.read_bytes()[:50])
+    torn = run(tmp_path, "machine_c", path, "corrupt")
+    assert "could not be loaded" in torn["said"][0] and torn["misses"] == 1, torn
+
+
+def test_the_file_name_holds_what_the_artifacts_depend_on(tmp_path):
+    name = cache_file(str(tmp_path), rank=3, world_size=8, device=torch.device("cpu"))
+    assert name.startswith(str(tmp_path)) and name.endswith("-cpu-w8-r3.bin")
+    assert f"torch{torch.__version__}" in name
