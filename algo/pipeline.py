@@ -103,7 +103,7 @@ def prepare_batch(batch: Batch, algo, kl_ctl, *, group_size: int, max_response_l
         m["distill/reverse_kl_k3"] = _token_mean(
             torch.where(mask.bool(), kl(policy_logprobs(batch), batch["teacher_logprobs"], "k3"), 0), mask, reduce)
 
-    if group_size > 1 and batch_size(batch):
+    if group_size > 1:  # every rank reduces, also one whose batch is empty (partial rollouts: no group ended)
         groups = scores.view(-1, group_size)
         flat = (groups == groups[:, :1]).all(dim=1).float()
         m["data/flat_group_fraction"] = _global_mean(flat, reduce)  # groups that teach GRPO / RLOO nothing

@@ -208,7 +208,8 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
                 model=name, run=f"spread {args.prompts}x({args.prompt_len}+{low}..{high}) + partial {args.partial}: "
                 f"{args.partial_steps - 2} calls, {got.pop('continued'):.0f} continued per call{slots_note(stats)}",
                 kernels=variant, **got))
-            equal_tps = next(r["ours_tps"] for r in variant_rows if r["run"].startswith("equal"))
+            equal_tps = next(r["ours_tps"] for r in variant_rows
+                             if r["run"].startswith("equal") and r["kernels"] == variant)
             spread_tps = variant_rows[-2]["ours_tps"]
             print(f"[{name} partial {args.partial}] {got['ours_tps']:,.0f} tokens/s: "
                   f"{got['ours_tps'] / equal_tps:.3f}x the equal run, {got['ours_tps'] / spread_tps:.3f}x the spread "
@@ -226,6 +227,12 @@ def bench_model(name: str, args, device: torch.device) -> list[dict]:
             if r["run"].startswith("equal"):
                 r.update(hf=f"{args.hf_prompts} prompts", hf_tps=hf_tokens / hf_s, hf_peak_gib=hf_peak)
     return rows + variant_rows
+
+
+def all_reduce_sum(value: int, device: torch.device) -> int:
+    t = torch.tensor(value, device=device)
+    dist.all_reduce(t)
+    return int(t)
 
 
 def partial_stream(engine: NativeEngine, prompts: list[list[int]], low: int, high: int, args, cut: dict,
@@ -268,6 +275,8 @@ def partial_stream(engine: NativeEngine, prompts: list[list[int]], low: int, hig
             decode_steps += stats["decode_steps"]
             continued += len(call_prompts) - len(prompts)
             peak = max(peak, call_peak)
+    if dist.is_initialized() and engine.tp_group is None:  # data parallel: every rank's engine decoded its own
+        tokens = int(all_reduce_sum(tokens, device))
     timed_calls = max(args.partial_steps - 2, 1)
     return dict(tokens=tokens, ours_s=seconds, ours_tps=tokens / max(seconds, 1e-9), peak_gib=peak,
                 prefill_s=prefill_s / timed_calls, step_ms=decode_s / max(decode_steps, 1) * 1e3,

@@ -54,8 +54,9 @@ class SaveResume:
                       "comm": {name: role.replicas.state_dict() for name, role in self._trainers().items()}}
         if self.replay is not None:
             rank_state["replay"] = self.replay.state_dict()
-        if self.partial is not None:
-            rank_state["partial"] = self.partial.state_dict()
+        if self.partial is not None:  # with the actor's layout: another one deals the prompts to other ranks
+            pool = self.pools["actor"]
+            rank_state["partial"] = {**self.partial.state_dict(), "layout": [pool.dp_rank, pool.dp_size, pool.tp]}
         try:
             self.finish_save()  # the previous checkpoint, if it is still being written
         except checkpoint.SaveError as e:
@@ -114,13 +115,20 @@ class SaveResume:
             if self.replay is not None and "replay" in mine:
                 self.replay.load_state_dict(mine["replay"])
             if self.partial is not None and "partial" in mine:
-                self.partial.load_state_dict(mine["partial"])
+                pool, saved = self.pools["actor"], mine["partial"]
+                if saved["layout"] == [pool.dp_rank, pool.dp_size, pool.tp]:
+                    self.partial.load_state_dict(saved)
+                elif saved["carried"]:
+                    log.warning("rank %d: the %d groups partial rollouts carried at step %d are dropped: the actor's "
+                                "layout changed (dp rank, dp size, tp %s, now %s)", self.rank, len(saved["carried"]),
+                                state["step"], saved["layout"], [pool.dp_rank, pool.dp_size, pool.tp])
             for name, role in self._trainers().items():
                 if name in mine.get("comm", {}):
                     role.replicas.load_state_dict(mine["comm"][name])
         elif self.rank == 0:
             log.warning("checkpoint %s was written by %d ranks, this run has %d: weights and optimizer resharded by "
-                        "DCP; per-rank random streams, replay buffers and gradient-communication state start afresh",
+                        "DCP; per-rank random streams, replay buffers, gradient-communication state and the samples "
+                        "partial rollouts carried start afresh",
                         path, state["world_size"], self.layout.world_size)
         if state["step"] >= self.total_steps:
             raise C.ConfigError(

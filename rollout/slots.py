@@ -288,7 +288,7 @@ class SlotEngine:
                         step(batch, length)
             self.stats["decode_steps"] += steps
             self._check(run, batch, steps, compact=not waiting)
-            if not waiting and _tail_reached(run, params):
+            if not waiting and _tail_reached(run, params, num_seqs):
                 break
 
         unfinished = torch.zeros(num_seqs, dtype=torch.bool)
@@ -580,12 +580,12 @@ class SlotEngine:
             values[:] = moved + ([None] * (slots - count) if field == "slot_seq" else [0] * (slots - count))
 
 
-def _tail_reached(run: SlotRun, params: SamplingParams) -> bool:
+def _tail_reached(run: SlotRun, params: SamplingParams, num_seqs: int) -> bool:
     """Partial rollouts (params.tail_share > 0): whether the call may return now, with no sequence waiting: fewer
-    than tail_share of the slots still decode, and none of them is one of the first params.finish_first sequences
-    (those always end in this call)."""
+    than tail_share of the slots this call can fill (a kept run may have more than its sequences) still decode, and
+    none of them is one of the first params.finish_first sequences (those always end in this call)."""
     occupied = run.occupied()
-    return (0 < len(occupied) < params.tail_share * run.slots
+    return (0 < len(occupied) < params.tail_share * min(run.slots, num_seqs)
             and all(run.slot_seq[s] >= params.finish_first for s in occupied))
 
 

@@ -76,6 +76,19 @@ def test_the_engine_returns_at_its_tail_and_marks_the_unfinished(model):
     assert whole.unfinished is None and all(r[-1] in STOPS or len(r) == MAX_NEW for r in responses(whole))
 
 
+def test_the_tail_is_a_share_of_the_calls_sequences_on_a_kept_run_with_more_slots(model):
+    params = SamplingParams(MAX_NEW, temperature=1.0, n=N, stop_token_ids=STOPS, tail_share=0.4)
+    batch = prompts(4, seed=6)
+    fresh = NativeEngine(model, PAD, max_num_seqs=16)
+    alone = fresh.generate(batch, params, torch.Generator().manual_seed(3))
+    kept = NativeEngine(model, PAD, max_num_seqs=16)
+    kept.generate(prompts(16, seed=7), params, torch.Generator().manual_seed(4))  # a bigger call first: 16 slots
+    after = kept.generate(batch, params, torch.Generator().manual_seed(3))
+    assert kept.stats["new_run"] == 0 and kept.stats["slots"] == 16 and fresh.stats["slots"] == 8
+    assert after.unfinished.tolist() == alone.unfinished.tolist() and 0 < int(alone.unfinished.sum())
+    assert responses(after) == responses(alone)
+
+
 def test_greedy_continued_samples_equal_uninterrupted_ones_token_for_token(model):
     batch = prompts(10, seed=4)
     engine = NativeEngine(model, PAD, max_num_seqs=8)
@@ -220,7 +233,38 @@ def test_a_partial_run_resumes_exactly(assets, tmp_path):  # noqa: F811
 
 
 def test_partial_rollouts_on_two_ranks(assets, tmp_path):  # noqa: F811
+    # GRPO as above, then PPO (GAE, a critic, two epochs of two mini-batches) with a tail that cuts most samples:
+    # steps in which one rank trains no group and the other does (every collective must still pair up; a metric's
+    # all-reduce taken only where a rank had rows hung here)
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 4}, **PARTIAL)
     proc = torchrun(["train_ppo.py", "--config", cfg], nproc=2, timeout=400)
     assert proc.returncode == 0, explain(proc)
     check_groups([r for r in read_metrics(tmp_path / "runs") if "rollout/partial/carried_groups" in r], 8)
+    ppo = write_config(tmp_path / "ppo.yaml", assets, tmp_path / "ppo", run={"total_steps": 6},
+                       data={"batch_size": 2}, rollout={"n": 4, "max_new_tokens": 40, "max_num_seqs": 4,
+                                                        "partial_tail": 0.9},
+                       actor={"tis_cap": 2.0, "ppo_epochs": 2, "mini_batch_size": 4})
+    proc = torchrun(["train_ppo.py", "--config", ppo], nproc=2, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    rows = [r for r in read_metrics(tmp_path / "ppo") if "rollout/partial/carried_groups" in r]
+    check_groups(rows, 2)
+    assert any(r["rollout/partial/trained_groups"] == 0 for r in rows) or \
+        any(r["rollout/partial/trained_groups"] % 2 for r in rows), "some step trains on one rank only"
+
+
+def test_a_resume_with_another_actor_layout_drops_the_carry_and_says_so(assets, tmp_path):  # noqa: F811
+    # dp 2 -> tp 2 on the same 2 ranks: rank 1's carried samples were its own prompts' and its new tp peer holds
+    # others; restored, the two peers would build different calls into one tensor-parallel engine
+    first = write_config(tmp_path / "a.yaml", assets, tmp_path / "runs", run={"total_steps": 2},
+                         checkpoint={"save_every": 2}, **PARTIAL)
+    proc = torchrun(["train_ppo.py", "--config", first], nproc=2, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    carried = read_metrics(tmp_path / "runs")[-1]["rollout/partial/carried_groups"]
+    assert carried > 0, "the checkpoint holds carried samples"
+    second = write_config(tmp_path / "b.yaml", assets, tmp_path / "runs", run={"total_steps": 3},
+                          placement={"tp": 2}, **PARTIAL)
+    proc = torchrun(["train_ppo.py", "--config", second], nproc=2, timeout=300)
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, explain(proc)
+    assert "carried at step 2 are dropped: the actor's layout changed" in proc.stderr, explain(proc)
+    step3 = read_metrics(tmp_path / "runs")[-1]
+    assert step3["rollout/partial/continued"] == 0, "nothing of the old layout's carry was continued"
