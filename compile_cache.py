@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import time
 
 import torch
 
@@ -40,6 +41,7 @@ def load(path: str) -> str:
     """Load the artifacts of `path` into this process's compile caches; returns what happened, for the log."""
     if not os.path.exists(path):
         return f"compile cache: none yet at {path} (this run's compiles are saved there after step {SAVE_AFTER_STEP})"
+    began = time.perf_counter()
     try:
         with open(path, "rb") as f:
             info = torch.compiler.load_cache_artifacts(f.read())
@@ -49,12 +51,13 @@ def load(path: str) -> str:
     if not count:  # torch reads a torn file (or another version's) as holding nothing
         return (f"compile cache: {path} could not be loaded (no artifacts this torch can read: a torn file, or "
                 "another torch's); compiling without it")
-    return f"compile cache: loaded {count} artifacts from {path}"
+    return f"compile cache: loaded {count} artifacts from {path} in {time.perf_counter() - began:.1f} s"
 
 
 def save(path: str) -> str | None:
     """Save what this process compiled (and the loaded artifacts it used) to `path`, unless nothing was compiled or
     the file already holds every artifact; returns what happened, for the log (None: nothing to say)."""
+    began = time.perf_counter()
     got = torch.compiler.save_cache_artifacts()
     if got is None:
         return None
@@ -79,4 +82,5 @@ def save(path: str) -> str | None:
             os.replace(partial, target)  # a reader never sees half a file
     except OSError as e:
         return f"compile cache: could not save {path} ({e}); training goes on"
-    return f"compile cache: saved {len(keys)} artifacts ({len(data) / 2**20:.1f} MiB) to {path}"
+    return (f"compile cache: saved {len(keys)} artifacts ({len(data) / 2**20:.1f} MiB) to {path} in "
+            f"{time.perf_counter() - began:.1f} s")

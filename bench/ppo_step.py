@@ -273,6 +273,9 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     print(f"meshrl config: {config.name} (reward bench_reward:meshrl_reward) " + " ".join(overrides + extra),
           flush=True)
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    for line in proc.stderr.splitlines():  # run.compile_cache: what was loaded before the first step, what saved
+        if "compile cache:" in line:
+            print(line, flush=True)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
     lines = [json.loads(x) for x in (workdir / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
@@ -333,9 +336,10 @@ def meshrl_lengths(rows: list[dict], run_dir: Path | None, shape: Shape, vocab: 
 
 
 # ------------------------------------------------------------------------------------------------- TRL
-def trl_step_clock(t0: float, label: str | None = None):
+def trl_step_clock(t0: float, label: str | None = None, log: str | None = None):
     """(times, first, callback): a TrainerCallback timing each TRL step into `times` (synchronised on CUDA) and putting
-    the seconds from t0 to the first step into `first`; with `label` it prints each step's time and peak memory."""
+    the seconds from t0 to the first step into `first`; with `label` it prints each step's time and peak memory; with
+    `log` it appends each step's seconds to that file as it ends (a run cut short by a timeout keeps its steps)."""
     import torch
     from transformers import TrainerCallback
 
@@ -357,6 +361,9 @@ def trl_step_clock(t0: float, label: str | None = None):
         def on_step_end(self, args, state, control, **kw):
             sync()
             times.append(time.perf_counter() - self.began)
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"{times[-1]}\n")
             if label:
                 print(f"[{label}] step {len(times)}: {times[-1]:.2f} s, peak "
                       f"{torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.2f} GiB", flush=True)
@@ -379,7 +386,7 @@ def trl_worker(spec: dict) -> None:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    times, first, clock = trl_step_clock(t0)
+    times, first, clock = trl_step_clock(t0, log=spec["out"] + ".steps")
     cuda = torch.cuda.is_available()
 
     vocab = spec["vocab"]
@@ -441,19 +448,27 @@ def trl_batch_args(shape: Shape) -> dict:
     return args
 
 
-def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: bool, device: str = "cuda") -> dict:
+def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: bool, device: str = "cuda",
+            timeout_s: float | None = None) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     shape = shape_of(lengths, device)
     out = workdir / f"trl_{model_dir.name}_{lengths}_{int(use_vllm)}.json"
-    out.unlink(missing_ok=True)  # an earlier call's results are not this one's
+    steps_log = Path(f"{out}.steps")  # the worker's step times as they end
+    for stale in (out, steps_log):  # an earlier call's results are not this one's
+        stale.unlink(missing_ok=True)
     spec = {"workdir": str(workdir), "model": str(model_dir), "tokenizer": str(tokenizer_dir(model_dir)),
             "data": str(prompt_file(workdir, vocab, shape)), "shape": dataclasses.asdict(shape),
             "lengths": lengths, "steps": steps, "vllm": use_vllm, "stop_ids": shape_stop_ids(vocab, shape),
             "vocab": vocab, "out": str(out)}
     print(f"TRL GRPOConfig: {trl_batch_args(shape)}", flush=True)
     began = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
-                          capture_output=True, text=True)
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        done = [float(x) for x in steps_log.read_text().split()] if steps_log.exists() else []
+        return {"error": f"timed out after {timeout_s:.0f} s with {len(done)} of {steps} steps done: "
+                         f"{[round(x, 2) for x in done]} s"}
     if proc.returncode != 0 or not out.exists():
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
     result = json.loads(out.read_text())
@@ -487,6 +502,8 @@ def main() -> None:
     ap.add_argument("--lengths", nargs="+", default=["fixed", "varying"], choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--trl-steps", type=int, default=6, help="steps of TRL's HF-generate mode (~10 s each)")
+    ap.add_argument("--trl-timeout", type=float, default=None,
+                    help="seconds a TRL run may take; past them it is stopped and the steps it ended are reported")
     ap.add_argument("--workdir", default="/tmp/ppo_step")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script with a tiny model")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
@@ -566,7 +583,7 @@ def run_point(args, system: str, variant: str, model_dir: Path, lengths: str, sh
     print(f"== {system}{'' if variant == 'bench' else f' ({variant})'} {model_dir.name} {lengths}", flush=True)
     if not system.startswith("meshrl"):
         r = run_trl(model_dir, workdir, lengths, args.trl_steps if system == "trl" else args.steps,
-                    system == "trl-vllm", args.device)
+                    system == "trl-vllm", args.device, args.trl_timeout)
         r["system"] = system
         return r
     # the bench's micro-batch budget: the whole step at the short shapes, auto (the default) at long
