@@ -14,14 +14,11 @@ goes on. Nothing is saved where nothing was compiled (the CPU: torch.compile is 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import time
 
 import torch
-
-log = logging.getLogger("meshrl")
 
 SAVE_AFTER_STEP = 3  # the first steps compile (the update's recompile for new lengths is in step 2); saved after
 

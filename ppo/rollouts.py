@@ -114,13 +114,13 @@ class RolloutPhase:
         groups, counts = self.partial.collect(call, out, step)
         out, index, born = self.partial.output(groups, self.pad)
         staleness = (step - born).float()
-        sums = self.dp_reduce(torch.tensor([*counts.values(), len(groups), staleness.sum(), len(born)],
-                                           dtype=torch.float64))
+        counts.update(trained_groups=len(groups), staleness_sum=float(staleness.sum()), trained_samples=len(born))
+        sums = dict(zip(counts, self.dp_reduce(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()))
         most = self.dp_reduce(staleness.max() if len(born) else torch.zeros(()), "max")
-        self.partial_metrics = {**{f"rollout/partial/{k}": float(v) for k, v in zip(counts, sums)},
-                                "rollout/partial/trained_groups": float(sums[3]),
-                                "rollout/partial/staleness_mean": float(sums[4] / sums[5].clamp(min=1)),
-                                "rollout/partial/staleness_max": float(most)}
+        self.partial_metrics = {f"rollout/partial/{k}": sums[k]
+                                for k in ("continued", "unfinished", "carried_groups", "trained_groups")}
+        self.partial_metrics["rollout/partial/staleness_mean"] = sums["staleness_sum"] / max(sums["trained_samples"], 1)
+        self.partial_metrics["rollout/partial/staleness_max"] = float(most)
         return rollout_batch(out, index, self.device)
 
     def _sample(self, prompts: list[list[int]] | None, params: SamplingParams) -> RolloutOutput | None:

@@ -31,9 +31,8 @@ class SamplingParams:
 
     Partial rollouts (rollout/partial.py): tail_share > 0 lets the native slot engine return once no sequence waits
     and fewer than this share of the slots the call can fill (its slots, or its sequences if fewer) still decode, none
-    of them among the call's first finish_first sequences
-    (those always end in the call); RolloutOutput.unfinished marks the sequences cut short. Other engines (and the
-    HF-forward path) finish every sequence.
+    of them among the call's first finish_first sequences (those always end in the call); RolloutOutput.unfinished
+    marks the sequences cut short. Other engines (and the HF-forward path) finish every sequence.
     """
 
     max_new_tokens: int
