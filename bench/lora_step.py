@@ -168,7 +168,7 @@ def trl_worker(spec: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     label = "trl-vllm-lora" if spec["vllm"] else "trl-lora"
-    times, first, clock = ps.trl_step_clock(t0, label)
+    times, first, clock = ps.trl_step_clock(t0, label, log=spec["out"] + ".steps")
     cuda = torch.cuda.is_available()
     device_used: list[float] = []  # the whole device's used GiB at each step's end (vLLM's share included)
 
@@ -200,17 +200,25 @@ def trl_worker(spec: dict) -> None:
         "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization if spec["vllm"] else None}))
 
 
-def run_trl(model_dir: Path, workdir: Path, steps: int, rank: int, vllm: bool = False) -> dict:
+def run_trl(model_dir: Path, workdir: Path, steps: int, rank: int, vllm: bool = False,
+            timeout_s: float | None = None) -> dict:
+    """TRL's run in its own process; past timeout_s it is stopped and the steps it ended are its result (more than 3
+    of them: ps.cut_short)."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     out = workdir / f"trl_{'vllm_' if vllm else ''}lora_{model_dir.name}.json"
-    out.unlink(missing_ok=True)
+    steps_log = Path(f"{out}.steps")
+    for stale in (out, steps_log):
+        stale.unlink(missing_ok=True)
     spec = {"workdir": str(workdir), "model": str(model_dir), "tokenizer": str(ps.tokenizer_dir(model_dir)),
             "data": str(workdir / f"prompts_{vocab}.jsonl"), "steps": steps, "rank": rank, "vllm": vllm,
             "out": str(out)}
     print(f"TRL GRPOConfig: {trl_args(vllm)}", flush=True)
     began = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
-                          stdout=None, stderr=subprocess.PIPE, text=True)
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
+                              stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return ps.cut_short(steps_log, timeout_s, steps, 3)
     if proc.returncode != 0 or not out.exists():
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
     result = json.loads(out.read_text())
@@ -314,6 +322,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--trl-steps", type=int, default=5)
+    ap.add_argument("--trl-timeout", type=float, default=None,
+                    help="seconds a TRL run may take; past them it is stopped and the steps it ended are reported")
     ap.add_argument("--workdir", default="/tmp/lora_step")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run with a tiny model (vLLM systems skipped)")
     ap.add_argument("--merge", nargs="*", default=None, metavar="NAME", help="time the merge on these models")
@@ -365,7 +375,8 @@ def main() -> None:
                 r = ps.run_meshrl(model_dir, workdir, "fixed", args.steps, system, extra, None, args.device)
                 r["overrides"] = extra
             else:
-                r = run_trl(model_dir, workdir, args.trl_steps, args.rank, vllm=system == "trl-vllm-lora")
+                r = run_trl(model_dir, workdir, args.trl_steps, args.rank, vllm=system == "trl-vllm-lora",
+                            timeout_s=args.trl_timeout)
             r.update(system=system, model=model, params=params)
             if "skipped" not in r:
                 print(r.get("error") or json.dumps({k: v for k, v in r.items() if k not in ("pg_loss",)}), flush=True)
@@ -397,6 +408,7 @@ def report(results: list[dict]) -> None:
             print(f"| {r['model']} | {r['system']} | {over} | failed: {lines[-1][-160:] if lines else '?'} |{blank}")
             continue
         s = ps.steady(r["steps"])
+        over += f" ({r['cut']})" if r.get("cut") else ""
         gen, upd, sync = (f"{ps.steady(r[k]):.3f}" if r.get(k) else "-" for k in ("gen", "update_actor", "reshard"))
         start = f"{r['start_s']:.0f}" if r.get("start_s") else "-"
         mem = f"{r['memory_gb']:.2f}" if r.get("memory_gb") is not None else "-"

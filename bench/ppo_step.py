@@ -466,14 +466,22 @@ def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: 
         proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        done = [float(x) for x in steps_log.read_text().split()] if steps_log.exists() else []
-        return {"error": f"timed out after {timeout_s:.0f} s with {len(done)} of {steps} steps done: "
-                         f"{[round(x, 2) for x in done]} s"}
+        return cut_short(steps_log, timeout_s, steps, shape.warmup)
     if proc.returncode != 0 or not out.exists():
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
     result = json.loads(out.read_text())
     result["total_s"] = time.time() - began
     return result
+
+
+def cut_short(steps_log: Path, timeout_s: float, steps: int, warmup: int) -> dict:
+    """A TRL run stopped at its timeout: the steps it ended (from the file its worker appends to) as its result when
+    there are more than `warmup` of them (steady over the rest; "cut" says so in the report), else an error."""
+    done = [float(x) for x in steps_log.read_text().split()] if steps_log.exists() else []
+    cut = f"stopped at {timeout_s:.0f} s after {len(done)} of {steps} steps"
+    if len(done) > warmup:
+        return {"steps": done, "cut": cut, "warmup": warmup}
+    return {"error": f"timed out: {cut}: {[round(x, 2) for x in done]} s"}
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -693,6 +701,10 @@ def report(results: list[dict], peak_tflops: float) -> None:
         start = f"{r['start_s']:.0f}" if r.get("start_s") else "-"
         print(f"| {r['model']} | {r['lengths']} | {r['system']} | {s:.3f} | {first3:.1f} | {start} | {resp} | "
               + " | ".join(phases) + f" | {ratio} |")
+    for r in results:
+        if r.get("cut"):
+            print(f"{r['model']} {r['lengths']} {r['system']}: {r['cut']} (steady over steps {r['warmup'] + 1}-"
+                  f"{len(r['steps'])})")
     if any(r.get("defaults") for r in results):
         defaults_report(results)
     if any(r.get("partial") is not None for r in results):

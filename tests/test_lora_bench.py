@@ -52,3 +52,23 @@ def test_report_ratios_against_meshrl_lora_and_skipped_rows(capsys):
     assert cells["meshrl-lora-vllm"][10] == "90.0"
     assert cells["trl-vllm-lora"][-3:] == ["0.25x", "1.00x", "-"]
     assert "skipped: vLLM runs on GPUs only" in cells["trl-lora"][3]
+
+
+def test_trl_run_cut_at_its_timeout_keeps_the_steps_it_ended(tmp_path, capsys):
+    """A TRL run stopped at --trl-timeout: the steps its worker wrote as they ended become its result when more than
+    the warm-up ended (steady over the rest, the cut named in the report's row), else an error naming the count."""
+    ls = lora_step()
+    log = tmp_path / "trl.json.steps"
+    log.write_text("40.0\n9.0\n8.0\n7.0\n6.0\n")
+    r = ls.ps.cut_short(log, 300.0, 8, 3)
+    assert r["steps"] == [40.0, 9.0, 8.0, 7.0, 6.0] and r["warmup"] == 3
+    assert r["cut"] == "stopped at 300 s after 5 of 8 steps"
+    assert ls.ps.steady(r["steps"], r["warmup"]) == 6.5
+    ls.report([dict(r, model="m", params=1, system="trl-vllm-lora")])
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert "(stopped at 300 s after 5 of 8 steps)" in row and "| 6.500 |" in row
+    log.write_text("40.0\n9.0\n")
+    assert ls.ps.cut_short(log, 300.0, 8, 3) == \
+        {"error": "timed out: stopped at 300 s after 2 of 8 steps: [40.0, 9.0] s"}
+    log.unlink()
+    assert "after 0 of 8 steps" in ls.ps.cut_short(log, 300.0, 8, 1)["error"]
