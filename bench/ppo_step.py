@@ -272,12 +272,17 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
     cmd = [*launcher, str(ROOT / "train_ppo.py"), "--config", str(config), *overrides, *extra]
     print(f"meshrl config: {config.name} (reward bench_reward:meshrl_reward) " + " ".join(overrides + extra),
           flush=True)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    for line in proc.stderr.splitlines():  # run.compile_cache: what was loaded before the first step, what saved
+    # the run's output goes to a file as it runs: a run its caller cuts short leaves what it printed
+    log = workdir / "runs" / f"{run_name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as sink:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    output = log.read_text(errors="replace")
+    for line in output.splitlines():  # run.compile_cache: what was loaded before the first step, what saved
         if "compile cache:" in line:
             print(line, flush=True)
     if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+        return {"error": f"exit {proc.returncode}: {output[-3000:]}"}
     lines = [json.loads(x) for x in (workdir / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in lines if "timing_s/step" in r]
     out = {"steps": [r["timing_s/step"] for r in rows], "total_s": time.time() - began,
