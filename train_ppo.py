@@ -30,10 +30,11 @@ log = logging.getLogger("meshrl")
 
 
 def setup(cfg: C.Config, rank: int) -> C.Config:
-    """Quickstart assets (built once by rank 0 while the others wait), then the data files must exist."""
+    """Quickstart assets (recipes/quickstart.py: built once by rank 0 while the others wait), then the data files must
+    exist."""
     if cfg.quickstart.enabled:
         if rank == 0:
-            from tasks.quickstart import prepare_quickstart
+            from recipes.quickstart import prepare_quickstart
 
             prepare_quickstart(cfg.quickstart, cfg.run.seed)
         dist.barrier()

@@ -1,5 +1,6 @@
 """Everything the quickstart needs, built locally with no downloads: a character tokenizer, a tiny Qwen2-style
-model, the addition task (train / held-out test), and an SFT warm start. Built once into `quickstart.workdir`."""
+model, the addition task's data (train / held-out test; the task itself is tasks/synthetic.py), and an SFT warm start
+(roles/sft.py). Built once into `quickstart.workdir` by train_ppo.py (rank 0) when `quickstart.enabled`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 
 import torch
 
+from roles.sft import encode_pairs, sft_train
 from tasks.char_tokenizer import build_char_tokenizer
 from tasks.data import load_sft_records
 from tasks.synthetic import write_addition_dataset
@@ -58,8 +60,6 @@ def _mark(marker: str, wanted: dict) -> None:  # written last: a build stopped h
 def _sft_model(out: str, tokenizer, records: list, hidden: int, qcfg, steps: int, lr: float, seed: int,
                init: str | None = None) -> None:
     """A tiny model `hidden` wide (qcfg.num_layers deep), SFT'd for `steps` on `records`, saved with the tokenizer."""
-    from roles.sft import encode_pairs, sft_train  # imports the model stack: keep tasks/ light to import
-
     model = save_tiny_model(init or out, tokenizer, hidden_size=hidden, num_layers=qcfg.num_layers, num_heads=4,
                             num_kv_heads=2, intermediate_size=2 * hidden, max_position_embeddings=64, seed=seed)
     torch.manual_seed(seed)

@@ -162,7 +162,7 @@ def test_the_quickstart_builds_its_teacher_once(tmp_path):
     from transformers import AutoModelForCausalLM
 
     import config as C
-    from tasks.quickstart import prepare_quickstart
+    from recipes.quickstart import prepare_quickstart
 
     cfg = C.load_config("configs/distill_quickstart.yaml", [
         f"quickstart.workdir={tmp_path}", "quickstart.n_train=40", "quickstart.n_test=8", "quickstart.hidden_size=16",
