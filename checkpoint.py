@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from parallel.distributed import anyone
 
@@ -164,13 +165,39 @@ def _folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in _files(folder)) if os.path.isdir(folder) else 0
 
 
-def _failed(root: str, tmp: str, error: str) -> SaveError:
-    """Remove a failed save's partial folder (rank 0) and say what a save needs and what is free."""
+def _tensor_bytes(roles: dict) -> int:
+    """This rank's bytes of the tensors save_role writes: the trained parameters and the optimizer's state (a
+    DTensor counts its local part)."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = 0
+    for model, optimizer, _ in roles.values():
+        total += sum(nbytes(p) for p in model.parameters() if p.requires_grad)
+        total += sum(nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    return total
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def _failed(root: str, tmp: str, error: str, tensor_bytes: int) -> SaveError:
+    """Remove a failed save's partial folder (rank 0) and say what a save needs and what is free (every rank calls:
+    tensor_bytes is this rank's _tensor_bytes, the need when no checkpoint was written before)."""
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tensor_bytes)
     done = complete_checkpoints(root)
-    need = f"~{_folder_bytes(done[0]) / 2**30:.2f} GiB (the last checkpoint)" if done else "unknown (no earlier one)"
+    # replicated tensors are written once but counted on each rank holding them: the sum is an upper bound
+    need = f"~{_size(_folder_bytes(done[0]))} (the last checkpoint)" if done else \
+        f"up to ~{_size(sum(everyone))} (this save's tensors over every rank; no earlier checkpoint)"
     free = shutil.disk_usage(root).free / 2**30 if os.path.isdir(root) else float("nan")
     last = os.path.basename(done[0]) if done else "none"
     return SaveError(f"checkpoint {os.path.basename(tmp)[:-4]} could not be written ({error}); its partial files "
@@ -192,8 +219,9 @@ def remove_partial(root: str) -> list[str]:
 class PendingSave:
     """A checkpoint whose files may still be being written; `finish` (every rank) waits, then makes it complete."""
 
-    def __init__(self, root: str, tmp: str, final: str, futures: list, keep_last: int):
+    def __init__(self, root: str, tmp: str, final: str, futures: list, keep_last: int, tensor_bytes: int = 0):
         self.root, self.tmp, self.final, self.futures, self.keep_last = root, tmp, final, futures, keep_last
+        self.tensor_bytes = tensor_bytes
         self.done = False
 
     def finish(self) -> str:
@@ -216,7 +244,7 @@ class PendingSave:
                 error = _describe(e)
             error = _agree(error)
         if error is not None:
-            raise _failed(self.root, self.tmp, error)
+            raise _failed(self.root, self.tmp, error, self.tensor_bytes)
         if dist.get_rank() == 0:
             shutil.rmtree(self.final, ignore_errors=True)
             os.replace(self.tmp, self.final)
@@ -240,6 +268,7 @@ def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dic
         os.makedirs(tmp)
     dist.barrier()
     futures, error = [], None
+    tensor_bytes = _tensor_bytes(roles)
     try:
         futures = [save_role(os.path.join(tmp, name), model, optimizer, group, async_save)
                    for name, (model, optimizer, group) in roles.items()]
@@ -258,8 +287,8 @@ def save(root: str, step: int, roles: dict, rank_state: dict, trainer_state: dic
                     future.result()
                 except Exception:
                     pass
-        raise _failed(root, tmp, error)
-    pending = PendingSave(root, tmp, final, [f for f in futures if f is not None], keep_last)
+        raise _failed(root, tmp, error, tensor_bytes)
+    pending = PendingSave(root, tmp, final, [f for f in futures if f is not None], keep_last, tensor_bytes)
     if not async_save:
         pending.finish()
     return pending

@@ -176,3 +176,39 @@ def test_a_checkpoint_damaged_inside_its_files_is_skipped(assets, tmp_path):  # 
     assert proc.returncode == 0, explain(proc)
     assert "does not match its checksum" in proc.stderr and "step_00000001 (step 1)" in proc.stderr, explain(proc)
     assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2, 3]
+
+
+FIRST_SAVE_ON_A_FULL_DISK = """
+import resource, signal, sys
+import torch
+import torch.distributed as dist
+import checkpoint
+# writes past 64 KiB per file fail with EFBIG, as they would with ENOSPC on a full disk
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+model.bias.requires_grad_(False)  # frozen: not written
+opt = torch.optim.AdamW([model.weight])
+model(torch.randn(2, 256)).sum().backward()
+opt.step()
+try:
+    checkpoint.save(sys.argv[1], 1, {"actor": (model, opt, None)}, {}, {}, keep_last=1)
+except checkpoint.SaveError as e:
+    print(e)
+"""
+
+
+def test_a_first_save_that_fails_says_what_it_needed(tmp_path):
+    """With no earlier checkpoint to measure, a failed save's message gives the size of the tensors it was writing:
+    the trained weight (256 x 256 float32), AdamW's two moments of it and its step count (one float32 scalar)."""
+    proc = subprocess.run([sys.executable, "-c", FIRST_SAVE_ON_A_FULL_DISK, str(tmp_path / "ckpts"),
+                           str(tmp_path / "store")], cwd=ROOT, env=run_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    expected = 3 * 256 * 256 * 4 + 4
+    assert "checkpoint step_00000001 could not be written" in proc.stdout, explain(proc)
+    assert f"up to ~{expected / 2**10:.1f} KiB (this save's tensors over every rank" in proc.stdout, explain(proc)
+    assert not (tmp_path / "ckpts" / "step_00000001.tmp").exists() and \
+        not (tmp_path / "ckpts" / "step_00000001").exists()
