@@ -252,6 +252,7 @@ def run_meshrl(model_dir: Path, workdir: Path, lengths: str, steps: int, name: s
         "algorithm.kl.in_loss=false", "actor.optim.lr=1e-6", "actor.ppo_epochs=1", "actor.mini_batch_size=0",
         f"run.total_steps={steps}", "run.eval_every=0", "run.log_every=1", f"run.name={run_name}",
         f"run.output_dir={workdir / 'runs'}", f"run.device={device}", "checkpoint.save_every=0",
+        "checkpoint.save_final=false",  # the bench times steps: no checkpoint (34 GiB at 3B) after them
         "checkpoint.resume=never",
         "reward.num_workers=1", "data.shuffle=false",
     ]

@@ -517,6 +517,7 @@ class HealthConfig:
 @dataclass
 class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end (and on SIGTERM/SIGUSR1)
+    save_final: bool = True  # false: no checkpoint when the run ends (a benchmark, a throwaway run); signals still save
     keep_last: int = 2
     resume: str = "auto"  # auto (newest complete checkpoint of the run), never, or a checkpoint folder
     async_save: bool = False  # write in the background while training goes on (finished before the next save)

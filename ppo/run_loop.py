@@ -82,7 +82,7 @@ class RunLoop:
                 bar.update(1)
             signalled, diverged = self._stop_flags()
             every = cfg.checkpoint.save_every
-            if step == self.total_steps or signalled or (every and step % every == 0):
+            if (step == self.total_steps and cfg.checkpoint.save_final) or signalled or (every and step % every == 0):
                 self._save(step, before, final=step == self.total_steps or signalled)
             if diverged:
                 raise RuntimeError(f"the actor skipped {cfg.checkpoint.max_skipped_steps} optimizer steps in a row "

@@ -118,8 +118,10 @@ def test_same_seed_same_metrics_and_a_failing_reward_does_not_stop_training(asse
     marker = tmp_path / "hung_once"
     outs = []
     for i in range(2):
+        # the second run writes no checkpoint at its end (checkpoint.save_final false): the metrics are the same
         cfg = write_config(tmp_path / f"c{i}.yaml", assets, tmp_path / f"runs{i}", run={"total_steps": 3},
-                           reward={"functions": [{"spec": "tests.user_rewards:flaky_ones"}], "timeout_s": 2.0})
+                           reward={"functions": [{"spec": "tests.user_rewards:flaky_ones"}], "timeout_s": 2.0},
+                           checkpoint={"save_final": i == 0})
         if marker.exists():
             marker.unlink()
         proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, MESHRL_TEST_HANG_MARKER=marker)
@@ -132,6 +134,8 @@ def test_same_seed_same_metrics_and_a_failing_reward_does_not_stop_training(asse
     wall_clock = ("timing_s/", "perf/", "health/")  # and the health flags set from the timings
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(wall_clock)} for r in rows]
     assert strip(outs[0]) == strip(outs[1])
+    finals = [sorted(p.name for p in (tmp_path / f"runs{i}").glob("*/checkpoints/step_*")) for i in range(2)]
+    assert finals == [["step_00000003"], []], finals
 
 
 def test_reward_failures_on_the_eval_set_warn_and_do_not_stop_training(assets, tmp_path):
