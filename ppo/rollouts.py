@@ -89,14 +89,21 @@ class RolloutPhase:
             return self.rollout.stats.get("reshard_s", 0.0), self.rollout.engine.stats
         return self.actor.engine.stats.get("reshard_s", 0.0), self.actor.engine.stats
 
-    def _generate(self, dataset: PromptDataset, indices: list[int], params: SamplingParams) -> Batch | None:
-        """This actor dp rank's share of `indices`, sampled; None on ranks outside the actor's pool (which join a
-        world rollout)."""
+    def side_rng(self, step: int) -> torch.Generator:
+        """A sampling stream for generation beside training (the evaluation at `step`, the engine check: -1), drawn
+        from the engine's seed and `step` alone: it neither takes from gen_rng nor depends on where a run resumed."""
+        seed = (self.engine_seed * 1_000_033 + 7_919 * (step + 2)) % 2**63
+        return torch.Generator(device=self.gen_rng.device).manual_seed(seed)
+
+    def _generate(self, dataset: PromptDataset, indices: list[int], params: SamplingParams,
+                  rng: torch.Generator | None = None) -> Batch | None:
+        """This actor dp rank's share of `indices`, sampled (from `rng`, by default the training stream gen_rng);
+        None on ranks outside the actor's pool (which join a world rollout)."""
         pool = self.pools["actor"]
         mine = indices[pool.dp_rank :: pool.dp_size] if self.actor is not None else []
         if C.episodes(self.cfg):
-            return self._episodes(dataset, mine, params)
-        out = self._sample([dataset[i]["prompt_ids"] for i in mine] if self.actor is not None else None, params)
+            return self._episodes(dataset, mine, params, rng)
+        out = self._sample([dataset[i]["prompt_ids"] for i in mine] if self.actor is not None else None, params, rng)
         if self.actor is None:
             return None
         return rollout_batch(out, [i for i in mine for _ in range(params.n)], self.device)
@@ -123,12 +130,14 @@ class RolloutPhase:
         self.partial_metrics["rollout/partial/staleness_max"] = float(most)
         return rollout_batch(out, index, self.device)
 
-    def _sample(self, prompts: list[list[int]] | None, params: SamplingParams) -> RolloutOutput | None:
+    def _sample(self, prompts: list[list[int]] | None, params: SamplingParams,
+                rng: torch.Generator | None = None) -> RolloutOutput | None:
         """One generate call: on the engines laid out over the world (every rank calls, None outside the actor's
         pool), or on the actor's own engine."""
+        rng = self.gen_rng if rng is None else rng
         if self.rollout is not None:
-            return self.rollout.generate(prompts, params, self.gen_rng, self.weights_version)
-        return self.actor.generate(prompts, params, self.gen_rng)
+            return self.rollout.generate(prompts, params, rng, self.weights_version)
+        return self.actor.generate(prompts, params, rng)
 
     def _environments(self, layout: Layout) -> tuple[EnvironmentPool | SharedEnvironments | None, list[dict] | None]:
         """(the environments of an episode run on the actor's ranks, the tools' JSON schemas). The pool of workers
@@ -163,7 +172,8 @@ class RolloutPhase:
             raise ValueError(f"{what}: reset() returned an observation for a chat-templated prompt; put it in the "
                              "prompt's messages (the data), or return None")
 
-    def _episodes(self, dataset: PromptDataset, mine: list[int], params: SamplingParams) -> Batch | None:
+    def _episodes(self, dataset: PromptDataset, mine: list[int], params: SamplingParams,
+                  rng: torch.Generator | None = None) -> Batch | None:
         """Multi-turn episodes (rollout/episodes.py) of this dp rank's prompts; on ranks outside the actor's pool
         (a world rollout) their generate calls, one per turn, as long as some episode runs."""
         r = self.cfg.rollout
@@ -172,12 +182,12 @@ class RolloutPhase:
             for _ in range(r.max_turns):
                 if not anyone(False, group):
                     break
-                self._sample(None, dataclasses.replace(params, n=1))
+                self._sample(None, dataclasses.replace(params, n=1), rng)
             return None
         turns: dict[str, float] = {}  # the engine's counters and phase times, summed over the turns
 
         def sample(prompts: list[list[int]], turn_params: SamplingParams) -> RolloutOutput:
-            out = self._sample(prompts, turn_params)
+            out = self._sample(prompts, turn_params, rng)
             for key, value in self._engine_stats()[1].items():
                 if key.endswith("_s") or key in ("prefills", "decode_steps", "continued", "continued_tokens"):
                     turns[key] = turns.get(key, 0.0) + value
@@ -265,7 +275,7 @@ class RolloutPhase:
         # without top-k / top-p: vLLM's log-probs are taken after the cut, the actor's before it, and the check
         # compares weights, not truncations
         whole = dataclasses.replace(self.train_params, top_p=1.0, top_k=0)
-        batch = self._generate(self.train_set, list(range(min(8, len(self.train_set)))), whole)
+        batch = self._generate(self.train_set, list(range(min(8, len(self.train_set)))), whole, self.side_rng(-1))
         totals = torch.zeros(2, device=comm_device())
         if self.actor is not None:
             old = self.actor.log_probs(batch, self.cfg.rollout.temperature)

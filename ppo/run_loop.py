@@ -109,9 +109,11 @@ class RunLoop:
             if said and (self.rank == 0 or "could not" in said):
                 log.info("%s", said)
 
-    def evaluate(self) -> tuple[dict[str, float], list[tuple[int, str, str, float, dict]]]:
+    def evaluate(self, step: int = 0) -> tuple[dict[str, float], list[tuple[int, str, str, float, dict]]]:
         """Greedy (rollout.eval_temperature) responses to the held-out prompts, scored by the reward pool: the eval
-        metrics and (prompt index, prompt, response, score, the verl compute_score dict's numbers) per sample."""
+        metrics and (prompt index, prompt, response, score, the verl compute_score dict's numbers) per sample. They
+        are sampled from a stream of their own (side_rng(step)): an evaluation leaves training's draws as they were,
+        so a run resumed after one trains as a run that never evaluated there."""
         if self.eval_set is None:
             return {}, []
         P = self.pools
@@ -122,7 +124,7 @@ class RunLoop:
                 indices.append(i)
         batch = None
         if self.actor is not None or self.rollout is not None:
-            batch = self._generate(self.eval_set, indices, self.eval_params)
+            batch = self._generate(self.eval_set, indices, self.eval_params, self.side_rng(step))
         scoring = "reward" in P
         to_reward = transfer(batch, P["actor"], P["reward"], self.layout, self.device) if scoring else None
         scores, functions = {}, {}
@@ -164,7 +166,7 @@ class RunLoop:
     def _eval_and_log(self, step: int, merged: dict[str, float] | None = None) -> dict[str, float]:
         if self.reward is not None:
             self.reward.trainer_state = {"global_step": step, "max_steps": self.total_steps}
-        local, samples = self.evaluate()
+        local, samples = self.evaluate(step)
         ev = gather_metrics(local)
         everyone: list = [None] * self.layout.world_size
         dist.all_gather_object(everyone, samples)

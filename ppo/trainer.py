@@ -200,6 +200,7 @@ class PPOTrainer(RolloutPhase, RunLoop, SaveResume):
         # apart); shuffles and resampling: one per actor dp rank, so that tp peers of every role draw alike
         engine_seed = cfg.run.seed * 1_000_003 + self.rollout.unit if self.rollout is not None else seed
         self.gen_rng = torch.Generator(device=device).manual_seed(engine_seed)
+        self.engine_seed = engine_seed
         self.cpu_rng = torch.Generator().manual_seed(seed)
         self.comm_timer = comm.CommTimer(device)
         for role in (self.actor, self.critic, self.reference, self.teacher, self.reward):

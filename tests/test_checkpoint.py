@@ -32,8 +32,8 @@ def ckpts(tmp_path) -> list[str]:
 
 
 def test_resume_equals_uninterrupted_and_a_truncated_checkpoint_is_skipped(assets, tmp_path):  # noqa: F811
-    # uninterrupted: 5 steps
-    whole = write_config(tmp_path / "whole.yaml", assets, tmp_path / "whole", run={"total_steps": 5})
+    # uninterrupted: 6 steps
+    whole = write_config(tmp_path / "whole.yaml", assets, tmp_path / "whole", run={"total_steps": 6})
     proc = run_python(["train_ppo.py", "--config", whole])
     assert proc.returncode == 0, explain(proc)
     reference = comparable(read_metrics(tmp_path / "whole"))
@@ -55,9 +55,16 @@ def test_resume_equals_uninterrupted_and_a_truncated_checkpoint_is_skipped(asset
     rows = comparable(read_metrics(tmp_path / "runs"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5], "each step once: the lines after step 2 were replaced"
     # steps after the resume point equal the uninterrupted run (the data position, RNG, optimizer all restored);
-    # the final step also carries the final eval in both runs
-    assert rows[3:] == reference[3:]
+    # step 5 was this run's last: it carries the final eval, which the 6-step run has at step 6 only
+    no_eval = lambda row: {k: v for k, v in row.items() if not k.startswith("eval/")}  # noqa: E731
+    assert rows[3:5] == reference[3:5] and no_eval(rows[5]) == no_eval(reference[5])
     assert ckpts(tmp_path) == ["latest", "step_00000004", "step_00000005"], "keep_last=2"
+    # extended to 6 steps from step 5, whose checkpoint was written after the final evaluation: the evaluation
+    # samples from a stream of its own, so step 6 (and its final eval) equals the run that never evaluated at 5
+    third = config(tmp_path, assets, "c", run={"total_steps": 6})
+    proc = run_python(["train_ppo.py", "--config", third])
+    assert proc.returncode == 0 and "step_00000005 (step 5)" in proc.stderr, explain(proc)
+    assert comparable(read_metrics(tmp_path / "runs"))[6] == reference[6]
 
 
 @pytest.mark.parametrize("ranks", ["actor", "all"])
