@@ -89,6 +89,10 @@ class RolloutPhase:
             return self.rollout.stats.get("reshard_s", 0.0), self.rollout.engine.stats
         return self.actor.engine.stats.get("reshard_s", 0.0), self.actor.engine.stats
 
+    def _set_reshard(self, seconds: float) -> None:
+        """What _engine_stats reports as timing_s/reshard for the rollout just done (an episode's turns summed)."""
+        (self.rollout.stats if self.rollout is not None else self.actor.engine.stats)["reshard_s"] = seconds
+
     def side_rng(self, step: int) -> torch.Generator:
         """A sampling stream for generation beside training (the evaluation at `step`, the engine check: -1), drawn
         from the engine's seed and `step` alone: it neither takes from gen_rng nor depends on where a run resumed."""
@@ -178,17 +182,26 @@ class RolloutPhase:
         (a world rollout) their generate calls, one per turn, as long as some episode runs."""
         r = self.cfg.rollout
         group = None if self.rollout is not None else self.pools["actor"].group
+        # the weight sync's seconds, summed over the turns (a world rollout syncs in its first call only, and its
+        # stats hold the last call's)
+        reshard = [0.0]
         if self.actor is None:
             for _ in range(r.max_turns):
                 if not anyone(False, group):
                     break
                 self._sample(None, dataclasses.replace(params, n=1), rng)
+                reshard[0] += self._engine_stats()[0]
+            self._set_reshard(reshard[0])
             return None
-        turns: dict[str, float] = {}  # the engine's counters and phase times, summed over the turns
+        turns: dict[str, float] = {}  # the engine's counters and phase times of its calls, summed over the turns
 
         def sample(prompts: list[list[int]], turn_params: SamplingParams) -> RolloutOutput:
             out = self._sample(prompts, turn_params, rng)
-            for key, value in self._engine_stats()[1].items():
+            reshard_s, stats = self._engine_stats()
+            reshard[0] += reshard_s
+            for key, value in stats.items():
+                if key in ("reshard_s", "engine_init_s"):  # the sync's, summed above; the engine's start, once
+                    continue
                 if key.endswith("_s") or key in ("prefills", "decode_steps", "continued", "continued_tokens"):
                     turns[key] = turns.get(key, 0.0) + value
             return out
@@ -199,6 +212,7 @@ class RolloutPhase:
             reward_mode=r.episode_reward, decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
             any_running=lambda flag: anyone(flag, group), max_prompt_tokens=self.cfg.data.max_prompt_len)
         self._engine_stats()[1].update(turns)  # the step's timing_s/gen_* cover every turn
+        self._set_reshard(reshard[0])
         # prompt tokens the engine did not prefill again: the history its slots kept from the turn before
         episodes.sums["episode/reused_prompt_tokens"] = turns.get("continued_tokens", 0.0)
         self.last_episodes = episodes

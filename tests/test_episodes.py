@@ -407,5 +407,8 @@ def test_episodes_on_split_pools_generated_over_the_world(assets, tmp_path):  # 
     assert proc.returncode == 0, explain(proc)
     step = read_rows(tmp_path / "runs")[1]
     assert 1.0 < step["episode/turns/mean"] < 2.0, step
+    # step 2's weights (one update on) went to the engines in its first turn: those seconds are the step's, not the
+    # last turn's 0 (step 1 syncs nothing: the start's evaluation sent the same weights)
+    assert read_rows(tmp_path / "runs")[2]["timing_s/reshard"] > 0
     assert step["reward/score/mean"] == pytest.approx(step["episode/env_reward/mean"] +
                                                       step["reward/fn/tests.user_rewards:ones_fraction/mean"])
