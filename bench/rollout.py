@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from parallel.tp import apply_tp  # noqa: E402
 from rollout.native import NativeEngine, SamplingParams  # noqa: E402
+from rollout.partial import PartialRollouts  # noqa: E402
 from rollout.slots import KERNEL_OPS  # noqa: E402
 
 KERNEL_VARIANTS = {"torch": ("torch", frozenset()), "attention": ("triton", frozenset({"attention"})),
@@ -237,43 +238,37 @@ def all_reduce_sum(value: int, device: torch.device) -> int:
 
 def partial_stream(engine: NativeEngine, prompts: list[list[int]], low: int, high: int, args, cut: dict,
                    device: torch.device, gen: torch.Generator) -> dict:
-    """--partial TAIL: a training run's rollouts with partial rollouts (rollout/partial.py), --partial-steps calls in a
-    row. Each call takes every prompt afresh with new lengths drawn from [low, high] (forced, as the spread run's) and,
-    first, what the call before left unfinished: as prompt + tokens so far (prefilled again), the rest of its length
-    as its limit; those that reached --partial-staleness calls of age among the call's first sequences
-    (finish_first). Each call returns once fewer than TAIL of the slots still decode (SamplingParams.tail_share).
-    Tokens/s over the calls after the first two (which meet the new shapes: compiles and captures)."""
-    carried: list[tuple[list[int], int, int]] = []  # (prompt + tokens so far, tokens left, calls of age)
+    """--partial TAIL: a training run's rollouts with partial rollouts, --partial-steps calls in a row, through
+    rollout/partial.PartialRollouts as the trainer uses it (one sample per prompt here). Each call takes every prompt
+    afresh with its own length drawn from [low, high] (its budget: forced, as the spread run's, since nothing stops
+    a random model) and, first, what the call before left unfinished (prefilled again, the rest of its budget as its
+    limit; those at --partial-staleness calls of age among the call's first sequences). Each call returns once fewer
+    than TAIL of the slots still decode (SamplingParams.tail_share). Tokens/s over the calls after the first two
+    (which meet the new shapes: compiles and captures)."""
+    carry = PartialRollouts(1, high, args.partial_staleness)
     seed = torch.Generator(device=device).manual_seed(0)
     tokens = seconds = prefill_s = decode_s = decode_steps = continued = 0
     peak = 0.0
-    for call in range(args.partial_steps):
+    for step in range(args.partial_steps):
         targets = torch.randint(low, high + 1, (len(prompts),), generator=gen).tolist()
-        carried.sort(key=lambda c: c[2] < args.partial_staleness)  # the ones at the bound first
-        finish = sum(c[2] >= args.partial_staleness for c in carried)
-        params = SamplingParams(max_new_tokens=high, temperature=1.0, tail_share=args.partial, finish_first=finish,
-                                **cut)
-        call_prompts = [c[0] for c in carried] + prompts
-        limits = [c[1] for c in carried] + targets
-        ages = [c[2] for c in carried] + [0] * len(prompts)
-        out, took, call_peak = timed(partial(engine.generate, call_prompts, params, seed, max_new_tokens=limits))
+        call = carry.call(list(enumerate(prompts)), step, limits=targets)
+        params = SamplingParams(max_new_tokens=high, temperature=1.0, tail_share=args.partial,
+                                finish_first=call.finish_first, **cut)
+        out, took, call_peak = timed(partial(engine.generate, call.prompts, params, seed, max_new_tokens=call.limits))
         lengths = out.response_mask.sum(-1).tolist()
-        left = out.unfinished.nonzero()[:, 0].tolist()
-        rows = out.response_ids[left].tolist()
+        _, counts = carry.collect(call, out, step)
         stats = engine.stats
-        print(f"[partial {args.partial}] call {call}: {len(call_prompts)} sequences ({len(carried)} continued, "
-              f"{finish} to end), {sum(lengths)} tokens in {took:.2f} s, {len(left)} left unfinished; "
-              f"prefill {stats['prefill_s']:.3f} s, decode {stats['decode_s']:.3f} s in {stats['decode_steps']} "
-              "steps", flush=True)
-        carried = [(call_prompts[i] + row[: lengths[i]], limits[i] - lengths[i], ages[i] + 1)
-                   for i, row in zip(left, rows)]
-        if call >= 2:
+        print(f"[partial {args.partial}] call {step}: {len(call.prompts)} sequences ({counts['continued']:.0f} "
+              f"continued, {call.finish_first} to end), {sum(lengths)} tokens in {took:.2f} s, "
+              f"{counts['unfinished']:.0f} left unfinished; prefill {stats['prefill_s']:.3f} s, decode "
+              f"{stats['decode_s']:.3f} s in {stats['decode_steps']} steps", flush=True)
+        if step >= 2:
             tokens += sum(lengths)
             seconds += took
             prefill_s += stats["prefill_s"]
             decode_s += stats["decode_s"]
             decode_steps += stats["decode_steps"]
-            continued += len(call_prompts) - len(prompts)
+            continued += counts["continued"]
             peak = max(peak, call_peak)
     if dist.is_initialized() and engine.tp_group is None:  # data parallel: every rank's engine decoded its own
         tokens = int(all_reduce_sum(tokens, device))

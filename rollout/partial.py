@@ -34,6 +34,7 @@ class Sample:
     logprobs: torch.Tensor  # [L] float32, each token's log-prob under the policy that sampled it
     born: int  # the step whose rollout sampled its first token
     done: bool = False
+    budget: int | None = None  # its response's token limit (None: the run's max_new_tokens)
 
 
 @dataclass
@@ -70,17 +71,20 @@ class PartialRollouts:
         self.n, self.max_new_tokens, self.max_staleness = n, max_new_tokens, max_staleness
         self.carried: list[Group] = []
 
-    def call(self, fresh: list[tuple[int, list[int]]], step: int) -> Call:
+    def call(self, fresh: list[tuple[int, list[int]]], step: int, limits: list[int] | None = None) -> Call:
         """The call of the rollout at `step`: the carried samples to continue (the ones at the staleness bound
-        first), then the fresh prompts ((index, prompt ids) each, n samples)."""
+        first), then the fresh prompts ((index, prompt ids) each, n samples); limits: each fresh prompt's response
+        budget (default max_new_tokens), which its samples keep when they are carried."""
         carried = [(g, i) for g in self.carried for i, s in enumerate(g.samples) if not s.done]
         # stable: within each class the carried order is kept
         carried.sort(key=lambda gi: step - gi[0].samples[gi[1]].born < self.max_staleness)
         finish_first = sum(step - g.samples[i].born >= self.max_staleness for g, i in carried)
         prompts = [g.prompt + g.samples[i].tokens.tolist() for g, i in carried] + [p for _, p in fresh]
-        limits = [self.max_new_tokens - len(g.samples[i].tokens) for g, i in carried]
-        limits += [self.max_new_tokens] * len(fresh)
-        return Call(prompts, [1] * len(carried) + [self.n] * len(fresh), limits, finish_first,
+        budgets = [self._budget(g.samples[i]) - len(g.samples[i].tokens) for g, i in carried]
+        if limits is not None and len(limits) != len(fresh):
+            raise ValueError(f"{len(limits)} limits for {len(fresh)} fresh prompts")
+        budgets += list(limits) if limits is not None else [self.max_new_tokens] * len(fresh)
+        return Call(prompts, [1] * len(carried) + [self.n] * len(fresh), budgets, finish_first,
                     [*carried, *(index for index, _ in fresh)])
 
     def collect(self, call: Call, out: RolloutOutput, step: int) -> tuple[list[Group], dict[str, float]]:
@@ -91,7 +95,7 @@ class PartialRollouts:
         lengths = out.response_mask.sum(-1).cpu().tolist()
         cut = out.unfinished.cpu().tolist() if out.unfinished is not None else [False] * len(lengths)
         row, fresh_groups = 0, []
-        for entry, count in zip(call.entries, call.samples):
+        for entry, count, limit in zip(call.entries, call.samples, call.limits):
             if isinstance(entry, tuple):  # a carried sample: its new tokens appended
                 group, i = entry
                 s = group.samples[i]
@@ -102,7 +106,7 @@ class PartialRollouts:
                 group = Group(entry, out.prompt_ids[row])
                 for r in range(row, row + count):
                     group.samples.append(Sample(tokens[r, : lengths[r]].clone(), logprobs[r, : lengths[r]].clone(),
-                                                step, not cut[r]))
+                                                step, not cut[r], limit))
                 fresh_groups.append(group)
             row += count
         groups = self.carried + fresh_groups
@@ -111,6 +115,9 @@ class PartialRollouts:
         stats = {"continued": float(sum(isinstance(e, tuple) for e in call.entries)), "unfinished": float(sum(cut)),
                  "carried_groups": float(len(self.carried))}
         return done, stats
+
+    def _budget(self, sample: Sample) -> int:
+        return self.max_new_tokens if sample.budget is None else sample.budget
 
     @staticmethod
     def output(groups: list[Group], pad: int) -> tuple[RolloutOutput, list[int], torch.Tensor]:
@@ -132,11 +139,13 @@ class PartialRollouts:
         """The carried groups as plain lists (a checkpoint's per-rank state)."""
         return {"carried": [{"index": g.index, "prompt": g.prompt,
                              "samples": [{"tokens": s.tokens.tolist(), "logprobs": s.logprobs.tolist(),
-                                          "born": s.born, "done": s.done} for s in g.samples]}
+                                          "born": s.born, "done": s.done, "budget": s.budget}
+                                         for s in g.samples]}
                             for g in self.carried]}
 
     def load_state_dict(self, state: dict) -> None:
         self.carried = [Group(g["index"], list(g["prompt"]),
                               [Sample(torch.tensor(s["tokens"], dtype=torch.long),
-                                      torch.tensor(s["logprobs"], dtype=torch.float32), s["born"], s["done"])
+                                      torch.tensor(s["logprobs"], dtype=torch.float32), s["born"], s["done"],
+                                      s.get("budget"))
                                for s in g["samples"]]) for g in state["carried"]]

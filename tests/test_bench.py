@@ -198,3 +198,17 @@ def test_ppo_step_long_smoke_on_cpu_and_the_partial_report(tmp_path):
     assert proc.returncode == 0, explain(proc)
     assert ("partial m long: 3.100 s/step (rollout.partial_tail=0.25 rollout.partial_max_staleness=1 "
             "actor.tis_cap=2.0) vs 4.100 s/step without: 0.756x") in proc.stdout, proc.stdout
+
+
+def test_rollout_bench_partial_stream_counts_the_calls_after_two(tmp_path):
+    """bench/rollout.py --partial (rollout/partial.PartialRollouts over a stream of calls with spread lengths): the
+    partial row's tokens are the sum of the calls after the first two, as each call's log line gives them."""
+    proc = run_python(["bench/rollout.py", "--models", str(tiny_model(tmp_path)), "--prompts", "16", "--new", "32",
+                       "--spread", "8", "32", "--hf-prompts", "0", "--kernels", "torch", "--device", "cpu",
+                       "--partial", "0.5", "--partial-steps", "5"])
+    assert proc.returncode == 0, explain(proc)
+    calls = [int(m.group(1)) for m in re.finditer(r"\[partial 0\.5\] call \d: \d+ sequences .*?, (\d+) tokens in",
+                                                  proc.stdout)]
+    assert len(calls) == 5, explain(proc)
+    row = next(r for r in proc.stdout.splitlines() if "+ partial 0.5: 3 calls" in r)
+    assert int(row.split("|")[4].replace(",", "")) == sum(calls[2:])

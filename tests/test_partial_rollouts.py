@@ -122,6 +122,35 @@ def test_sampled_continued_samples_carry_the_models_log_probs(model):
             assert sample.tokens[-1].item() in STOPS or len(sample.tokens) == MAX_NEW  # trained samples ended
 
 
+def test_a_prompts_own_budget_holds_across_the_carry_and_a_checkpoint(model):
+    """Fresh prompts with budgets of their own (call(..., limits)): with no stop id every sample runs to exactly its
+    prompt's budget, also the samples cut at a tail, carried through a checkpoint's state and continued."""
+    batch, budgets = prompts(6, seed=5), [6, 12, 24, 36, 48, 60]
+    engine = NativeEngine(model, PAD, max_num_seqs=8)
+    params = SamplingParams(MAX_NEW, temperature=1.0, n=N, tail_share=0.5)
+    first = PartialRollouts(N, MAX_NEW, max_staleness=2)
+    with pytest.raises(ValueError, match="2 limits for 6 fresh prompts"):
+        first.call(list(enumerate(batch)), 0, limits=budgets[:2])
+    call = first.call(list(enumerate(batch)), 0, limits=budgets)
+    assert call.limits == budgets
+    out = engine.generate(call.prompts, params, torch.Generator().manual_seed(0), max_new_tokens=call.limits,
+                          samples=call.samples)
+    done, _ = first.collect(call, out, 0)
+    assert first.carried, "the test continues some samples"
+    partial = PartialRollouts(N, MAX_NEW, max_staleness=2)
+    partial.load_state_dict(first.state_dict())
+    trained, step = {g.index: g for g in done}, 1
+    while partial.carried:
+        call = partial.call([], step)
+        out = engine.generate(call.prompts, dataclasses.replace(params, finish_first=call.finish_first),
+                              torch.Generator().manual_seed(step), max_new_tokens=call.limits, samples=call.samples)
+        trained.update({g.index: g for g in partial.collect(call, out, step)[0]})
+        step += 1
+    assert sorted(trained) == list(range(len(batch)))
+    assert {i: [len(s.tokens) for s in g.samples] for i, g in trained.items()} == \
+        {i: [budget] * N for i, budget in enumerate(budgets)}
+
+
 @pytest.mark.parametrize("max_staleness", [1, 2])
 def test_no_trained_sample_spans_more_policies_than_the_bound(model, max_staleness):
     engine = NativeEngine(model, PAD, max_num_seqs=8)
