@@ -174,9 +174,11 @@ def _tensor_bytes(roles: dict) -> int:
         return t.numel() * t.element_size()
 
     total = 0
-    for model, optimizer, _ in roles.values():
-        total += sum(nbytes(p) for p in model.parameters() if p.requires_grad)
-        total += sum(nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    with torch.no_grad():  # to_local() of a trained parameter would record an autograd node
+        for model, optimizer, _ in roles.values():
+            total += sum(nbytes(p) for p in model.parameters() if p.requires_grad)
+            total += sum(nbytes(v) for state in optimizer.state.values() for v in state.values()
+                         if torch.is_tensor(v))
     return total
 
 

@@ -175,7 +175,8 @@ def main(argv: list[str]) -> int:
                 bar.update(1)
             stopped = anyone(checkpoint.STOP_SIGNAL["received"])
             every = cfg.checkpoint.save_every
-            if stopped or step == steps or (every and step % every == 0):
+            at_end = step == steps  # the end's checkpoint unless checkpoint.save_final is false (the model is saved)
+            if stopped or (at_end and cfg.checkpoint.save_final) or (every and step % every == 0 and not at_end):
                 trainer_state = {"step": step, "world_size": world, "generator": generator.get_state(),
                                  "config": yaml.safe_dump(C.to_dict(cfg))}
                 checkpoint.save(root, step, roles, {"rng": checkpoint.rng_state({})}, trainer_state,

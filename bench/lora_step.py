@@ -215,8 +215,8 @@ def run_trl(model_dir: Path, workdir: Path, steps: int, rank: int, vllm: bool = 
     print(f"TRL GRPOConfig: {trl_args(vllm)}", flush=True)
     began = time.time()
     try:
-        proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
-                              stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
+        proc = ps.run_group([sys.executable, __file__, "--trl-worker", json.dumps(spec)], timeout_s, cwd=ROOT,
+                            stdout=None, stderr=subprocess.PIPE, text=True)
     except subprocess.TimeoutExpired:
         return ps.cut_short(steps_log, timeout_s, steps, 3)
     if proc.returncode != 0 or not out.exists():

@@ -56,6 +56,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -469,8 +470,8 @@ def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: 
     print(f"TRL GRPOConfig: {trl_batch_args(shape)}", flush=True)
     began = time.time()
     try:
-        proc = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = run_group([sys.executable, __file__, "--trl-worker", json.dumps(spec)], timeout_s, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except subprocess.TimeoutExpired:
         return cut_short(steps_log, timeout_s, steps, shape.warmup)
     if proc.returncode != 0 or not out.exists():
@@ -478,6 +479,19 @@ def run_trl(model_dir: Path, workdir: Path, lengths: str, steps: int, use_vllm: 
     result = json.loads(out.read_text())
     result["total_s"] = time.time() - began
     return result
+
+
+def run_group(cmd: list[str], timeout_s: float | None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own: past timeout_s the whole process group is killed (a TRL worker's vLLM
+    processes too, which would otherwise hold the GPU for the runs after it), then TimeoutExpired is raised."""
+    with subprocess.Popen(cmd, start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def cut_short(steps_log: Path, timeout_s: float, steps: int, warmup: int) -> dict:

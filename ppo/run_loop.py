@@ -82,8 +82,9 @@ class RunLoop:
                 bar.update(1)
             signalled, diverged = self._stop_flags()
             every = cfg.checkpoint.save_every
-            if (step == self.total_steps and cfg.checkpoint.save_final) or signalled or (every and step % every == 0):
-                self._save(step, before, final=step == self.total_steps or signalled)
+            at_end = step == self.total_steps
+            if (at_end and cfg.checkpoint.save_final) or signalled or (every and step % every == 0 and not at_end):
+                self._save(step, before, final=at_end or signalled)
             if diverged:
                 raise RuntimeError(f"the actor skipped {cfg.checkpoint.max_skipped_steps} optimizer steps in a row "
                                    "(non-finite loss or gradient norm); stopping. The last checkpoint is intact.")
@@ -93,6 +94,7 @@ class RunLoop:
                 self.finish_save()
                 log.info("stop signal received: saved step %d, exiting", step)
                 break
+        self.finish_save()  # a background save_every checkpoint still being written (save_final false)
         self._save_compiled()  # what the last steps and the final evaluation compiled besides
         if bar is not None:
             bar.close()

@@ -59,6 +59,7 @@ class Call:
     limits: list[int]
     finish_first: int
     entries: list[tuple[Group, int] | int]
+    budgets: list[int | None] = field(default_factory=list)  # per entry: a fresh prompt's own budget, or None
 
 
 class PartialRollouts:
@@ -80,12 +81,13 @@ class PartialRollouts:
         carried.sort(key=lambda gi: step - gi[0].samples[gi[1]].born < self.max_staleness)
         finish_first = sum(step - g.samples[i].born >= self.max_staleness for g, i in carried)
         prompts = [g.prompt + g.samples[i].tokens.tolist() for g, i in carried] + [p for _, p in fresh]
-        budgets = [self._budget(g.samples[i]) - len(g.samples[i].tokens) for g, i in carried]
         if limits is not None and len(limits) != len(fresh):
             raise ValueError(f"{len(limits)} limits for {len(fresh)} fresh prompts")
-        budgets += list(limits) if limits is not None else [self.max_new_tokens] * len(fresh)
-        return Call(prompts, [1] * len(carried) + [self.n] * len(fresh), budgets, finish_first,
-                    [*carried, *(index for index, _ in fresh)])
+        own = list(limits) if limits is not None else [None] * len(fresh)  # None: the run's max_new_tokens
+        left = [self._budget(g.samples[i]) - len(g.samples[i].tokens) for g, i in carried]
+        left += [self.max_new_tokens if b is None else b for b in own]
+        return Call(prompts, [1] * len(carried) + [self.n] * len(fresh), left, finish_first,
+                    [*carried, *(index for index, _ in fresh)], [None] * len(carried) + own)
 
     def collect(self, call: Call, out: RolloutOutput, step: int) -> tuple[list[Group], dict[str, float]]:
         """The groups that ended with this call (the carried ones first, then the fresh, each in call order), and
@@ -95,7 +97,7 @@ class PartialRollouts:
         lengths = out.response_mask.sum(-1).cpu().tolist()
         cut = out.unfinished.cpu().tolist() if out.unfinished is not None else [False] * len(lengths)
         row, fresh_groups = 0, []
-        for entry, count, limit in zip(call.entries, call.samples, call.limits):
+        for entry, count, budget in zip(call.entries, call.samples, call.budgets):
             if isinstance(entry, tuple):  # a carried sample: its new tokens appended
                 group, i = entry
                 s = group.samples[i]
@@ -106,7 +108,7 @@ class PartialRollouts:
                 group = Group(entry, out.prompt_ids[row])
                 for r in range(row, row + count):
                     group.samples.append(Sample(tokens[r, : lengths[r]].clone(), logprobs[r, : lengths[r]].clone(),
-                                                step, not cut[r], limit))
+                                                step, not cut[r], budget))
                 fresh_groups.append(group)
             row += count
         groups = self.carried + fresh_groups
@@ -117,7 +119,8 @@ class PartialRollouts:
         return done, stats
 
     def _budget(self, sample: Sample) -> int:
-        return self.max_new_tokens if sample.budget is None else sample.budget
+        """Its response budget: its own, or the run's max_new_tokens (today's: a resume may have changed it)."""
+        return self.max_new_tokens if sample.budget is None else min(sample.budget, self.max_new_tokens)
 
     @staticmethod
     def output(groups: list[Group], pad: int) -> tuple[RolloutOutput, list[int], torch.Tensor]:

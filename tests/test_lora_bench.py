@@ -72,3 +72,32 @@ def test_trl_run_cut_at_its_timeout_keeps_the_steps_it_ended(tmp_path, capsys):
         {"error": "timed out: stopped at 300 s after 2 of 8 steps: [40.0, 9.0] s"}
     log.unlink()
     assert "after 0 of 8 steps" in ls.ps.cut_short(log, 300.0, 8, 1)["error"]
+
+
+def test_a_timed_out_run_takes_its_whole_process_group_with_it(tmp_path):
+    """bench's run_group: past its timeout the command and what it started (a TRL worker's vLLM processes) are
+    killed, not the command alone."""
+    import os
+    import subprocess
+    import time
+
+    import pytest
+
+    ls = lora_step()
+    pid_file = tmp_path / "child.pid"
+    script = f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w')" \
+             ".write(str(p.pid)); time.sleep(60)"
+    with pytest.raises(subprocess.TimeoutExpired):
+        ls.ps.run_group([sys.executable, "-c", script], 3.0, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is delivered at once; its reaping by init may take a moment
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split(")")[1].split()[0] == "Z":  # a zombie: dead, not yet reaped
+                break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the command's child {child} outlived the timeout")

@@ -118,10 +118,12 @@ def test_same_seed_same_metrics_and_a_failing_reward_does_not_stop_training(asse
     marker = tmp_path / "hung_once"
     outs = []
     for i in range(2):
-        # the second run writes no checkpoint at its end (checkpoint.save_final false): the metrics are the same
-        cfg = write_config(tmp_path / f"c{i}.yaml", assets, tmp_path / f"runs{i}", run={"total_steps": 3},
+        # the second run writes no checkpoint at its end (checkpoint.save_final false), its step-2 one in the
+        # background (finished before the process ends): the metrics are the same
+        second = {"save_final": False, "save_every": 2, "async_save": True}
+        cfg = write_config(tmp_path / f"c{i}.yaml", assets, tmp_path / f"runs{i}", run={"total_steps": 4},
                            reward={"functions": [{"spec": "tests.user_rewards:flaky_ones"}], "timeout_s": 2.0},
-                           checkpoint={"save_final": i == 0})
+                           checkpoint=second if i else {})
         if marker.exists():
             marker.unlink()
         proc = run_python(["train_ppo.py", "--config", cfg], timeout=300, MESHRL_TEST_HANG_MARKER=marker)
@@ -135,7 +137,7 @@ def test_same_seed_same_metrics_and_a_failing_reward_does_not_stop_training(asse
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(wall_clock)} for r in rows]
     assert strip(outs[0]) == strip(outs[1])
     finals = [sorted(p.name for p in (tmp_path / f"runs{i}").glob("*/checkpoints/step_*")) for i in range(2)]
-    assert finals == [["step_00000003"], []], finals
+    assert finals == [["step_00000004"], ["step_00000002"]], finals
 
 
 def test_reward_failures_on_the_eval_set_warn_and_do_not_stop_training(assets, tmp_path):
