@@ -259,8 +259,11 @@ def test_hsdp_with_int8_gradients_and_accumulated_sync(assets, tmp_path):
 def test_estimators_and_filters_run(assets, tmp_path, algorithm):
     one_step = algorithm["adv_estimator"] == "rloo"
     actor = {"ppo_epochs": 1, "mini_batch_size": 0} if one_step else {}
+    # GRPO's filters: a reward high for most responses, so that the floors the guard raises (0.1 a step) leave
+    # groups to train on whatever the draws
+    reward = {"functions": [{"spec": "tests.user_rewards:not_ones"}]} if algorithm["adv_estimator"] == "grpo" else {}
     cfg = write_config(tmp_path / "c.yaml", assets, tmp_path / "runs", run={"total_steps": 3}, algorithm=algorithm,
-                       actor=actor)
+                       actor=actor, reward=reward)
     proc = run_python(["train_ppo.py", "--config", cfg], timeout=300)
     assert proc.returncode == 0, explain(proc)
     rows = read_metrics(tmp_path / "runs")

@@ -37,6 +37,12 @@ def ones_fraction(response: str, ground_truth: str | None, prompt: str) -> float
     return response.count("1") / len(response) if response else 0.0
 
 
+def not_ones(response: str, ground_truth: str | None, prompt: str) -> float:
+    """1 - ones_fraction: high for most responses (~0.9 for the tiny test model), so rising reward floors keep most
+    groups."""
+    return 1.0 - ones_fraction(response, ground_truth, prompt)
+
+
 def flaky_ones(response: str, ground_truth: str | None, prompt: str) -> float:
     """ones_fraction, but raises on responses containing "5", and hangs exactly once per test session: on its first
     call while the file named by MESHRL_TEST_HANG_MARKER does not exist yet. The trainer's start-up call (the ground
