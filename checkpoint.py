@@ -42,6 +42,13 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
+def due(step: int, total: int, save_every: int, save_final: bool, signalled: bool) -> bool:
+    """Whether a run saves after `step` (of `total`): on a stop signal, at the end unless save_final is false, and
+    every save_every steps before the end (checkpoint.save_every / save_final)."""
+    at_end = step == total
+    return signalled or (at_end and save_final) or bool(save_every and step % save_every == 0 and not at_end)
+
+
 def complete_checkpoints(root: str) -> list[str]:
     """Complete checkpoint folders under `root`, newest first."""
     if not os.path.isdir(root):
@@ -221,7 +228,7 @@ def remove_partial(root: str) -> list[str]:
 class PendingSave:
     """A checkpoint whose files may still be being written; `finish` (every rank) waits, then makes it complete."""
 
-    def __init__(self, root: str, tmp: str, final: str, futures: list, keep_last: int, tensor_bytes: int = 0):
+    def __init__(self, root: str, tmp: str, final: str, futures: list, keep_last: int, tensor_bytes: int):
         self.root, self.tmp, self.final, self.futures, self.keep_last = root, tmp, final, futures, keep_last
         self.tensor_bytes = tensor_bytes
         self.done = False

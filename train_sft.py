@@ -174,9 +174,8 @@ def main(argv: list[str]) -> int:
             if bar is not None:
                 bar.update(1)
             stopped = anyone(checkpoint.STOP_SIGNAL["received"])
-            every = cfg.checkpoint.save_every
-            at_end = step == steps  # the end's checkpoint unless checkpoint.save_final is false (the model is saved)
-            if stopped or (at_end and cfg.checkpoint.save_final) or (every and step % every == 0 and not at_end):
+            # the end's checkpoint unless checkpoint.save_final is false (the model is saved below either way)
+            if checkpoint.due(step, steps, cfg.checkpoint.save_every, cfg.checkpoint.save_final, stopped):
                 trainer_state = {"step": step, "world_size": world, "generator": generator.get_state(),
                                  "config": yaml.safe_dump(C.to_dict(cfg))}
                 checkpoint.save(root, step, roles, {"rng": checkpoint.rng_state({})}, trainer_state,

@@ -184,21 +184,22 @@ class RolloutPhase:
         group = None if self.rollout is not None else self.pools["actor"].group
         # the weight sync's seconds, summed over the turns (a world rollout syncs in its first call only, and its
         # stats hold the last call's)
-        reshard = [0.0]
+        reshard = 0.0
         if self.actor is None:
             for _ in range(r.max_turns):
                 if not anyone(False, group):
                     break
                 self._sample(None, dataclasses.replace(params, n=1), rng)
-                reshard[0] += self._engine_stats()[0]
-            self._set_reshard(reshard[0])
+                reshard += self._engine_stats()[0]
+            self._set_reshard(reshard)
             return None
         turns: dict[str, float] = {}  # the engine's counters and phase times of its calls, summed over the turns
 
         def sample(prompts: list[list[int]], turn_params: SamplingParams) -> RolloutOutput:
+            nonlocal reshard
             out = self._sample(prompts, turn_params, rng)
             reshard_s, stats = self._engine_stats()
-            reshard[0] += reshard_s
+            reshard += reshard_s
             for key, value in stats.items():
                 if key in ("reshard_s", "engine_init_s"):  # the sync's, summed above; the engine's start, once
                     continue
@@ -212,7 +213,7 @@ class RolloutPhase:
             reward_mode=r.episode_reward, decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
             any_running=lambda flag: anyone(flag, group), max_prompt_tokens=self.cfg.data.max_prompt_len)
         self._engine_stats()[1].update(turns)  # the step's timing_s/gen_* cover every turn
-        self._set_reshard(reshard[0])
+        self._set_reshard(reshard)
         # prompt tokens the engine did not prefill again: the history its slots kept from the turn before
         episodes.sums["episode/reused_prompt_tokens"] = turns.get("continued_tokens", 0.0)
         self.last_episodes = episodes

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+import checkpoint
 import compile_cache
 import config as C
 from monitor import (
@@ -81,10 +82,9 @@ class RunLoop:
             if bar is not None:
                 bar.update(1)
             signalled, diverged = self._stop_flags()
-            every = cfg.checkpoint.save_every
-            at_end = step == self.total_steps
-            if (at_end and cfg.checkpoint.save_final) or signalled or (every and step % every == 0 and not at_end):
-                self._save(step, before, final=at_end or signalled)
+            ck = cfg.checkpoint
+            if checkpoint.due(step, self.total_steps, ck.save_every, ck.save_final, signalled):
+                self._save(step, before, final=step == self.total_steps or signalled)
             if diverged:
                 raise RuntimeError(f"the actor skipped {cfg.checkpoint.max_skipped_steps} optimizer steps in a row "
                                    "(non-finite loss or gradient norm); stopping. The last checkpoint is intact.")
