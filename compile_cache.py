@@ -9,6 +9,10 @@ in the run.compile_cache folder after its first steps, and a later run loads its
 artifacts depend on: the torch version, the GPU, the world size and the rank. A file that cannot be read or loaded
 is reported and ignored (the run compiles as without it), never fatal; a save that fails is reported, and training
 goes on. Nothing is saved where nothing was compiled (the CPU: torch.compile is used on GPUs only).
+
+The artifacts leave out the Triton kernels of our own (the engine's attention, sampling and MLP kernels, the update's
+log-prob kernels), which Triton compiles on first use into its own cache: use_triton_cache points that cache into
+the same folder, so that a fresh machine finds those compiled as well.
 """
 
 from __future__ import annotations
@@ -32,6 +36,17 @@ def cache_file(folder: str, rank: int, world_size: int, device: torch.device) ->
 
 def _keys(info) -> set[str]:
     return {f"{kind}:{key}" for kind, keys in info.artifacts.items() for key in keys}
+
+
+def use_triton_cache(folder: str) -> str:
+    """Triton's kernel cache in `folder`/triton (TRITON_CACHE_DIR, which Triton and Inductor's workers read), unless
+    the environment sets TRITON_CACHE_DIR already; returns what happened, for the log. Call before anything compiles.
+    Triton writes each kernel to a temporary file and renames it, so ranks (and nodes) can share the folder."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return f"compile cache: Triton kernels cached in TRITON_CACHE_DIR={os.environ['TRITON_CACHE_DIR']} (as set)"
+    path = os.path.abspath(os.path.join(folder, "triton"))
+    os.environ["TRITON_CACHE_DIR"] = path
+    return f"compile cache: Triton kernels cached in {path}"
 
 
 def load(path: str) -> str:

@@ -62,6 +62,9 @@ def main(argv: list[str]) -> int:
         print(layout.describe(C.required_roles(cfg)), flush=True)
     cache = C.compile_cache_folder(cfg)
     if cache and info.device.type == "cuda":  # before anything compiles: what an earlier run compiled (GPU only)
+        triton_said = compile_cache.use_triton_cache(cache)
+        if info.rank == 0:
+            log.info("%s", triton_said)
         said = compile_cache.load(compile_cache.cache_file(cache, info.rank, info.world_size, info.device))
         if info.rank == 0 or "could not" in said:
             log.info("%s", said)

@@ -37,7 +37,8 @@ class RunConfig:
     profile_step: int | None = None  # torch.profiler over this step: profile_step<N>_rank<R>.{txt,json} in the run dir
     save_rollouts: bool = False  # each step's samples to runs/NAME/rollouts/step_N.parquet (for data.rollouts_path)
     # GPU: torch.compile's artifacts saved by each rank after its first steps and loaded by the next run before it
-    # compiles (compile_cache.py): a run on a fresh machine starts warm. auto: output_dir/compile_cache; null: off
+    # compiles, Triton's kernel cache kept there too (compile_cache.py): a run on a fresh machine starts warm.
+    # auto: output_dir/compile_cache; null: off
     compile_cache: str | None = "auto"
 
     def __post_init__(self):

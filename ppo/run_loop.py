@@ -92,7 +92,8 @@ class RunLoop:
                 self._save_compiled()
             if signalled:
                 self.finish_save()
-                log.info("stop signal received: saved step %d, exiting", step)
+                if self.rank == 0:  # every rank stops here; one line says so
+                    log.info("stop signal received: saved step %d, exiting", step)
                 break
         self.finish_save()  # a background save_every checkpoint still being written (save_final false)
         self._save_compiled()  # what the last steps and the final evaluation compiled besides

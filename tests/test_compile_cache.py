@@ -58,3 +58,27 @@ def test_the_file_name_holds_what_the_artifacts_depend_on(tmp_path):
     name = cache_file(str(tmp_path), rank=3, world_size=8, device=torch.device("cpu"))
     assert name.startswith(str(tmp_path)) and name.endswith("-cpu-w8-r3.bin")
     assert f"torch{torch.__version__}" in name
+
+
+TRITON_SCRIPT = textwrap.dedent('''
+    import sys
+    import compile_cache
+
+    said = compile_cache.use_triton_cache(sys.argv[1])
+    import triton  # Triton reads its cache folder from the environment when it compiles
+    print(said)
+    print(triton.knobs.cache.dir)
+''')
+
+
+def test_triton_kernels_are_cached_in_the_folder_unless_the_environment_says_where(tmp_path):
+    """Our own Triton kernels are not among torch.compile's artifacts: Triton's cache goes into the folder, so a fresh
+    machine finds them compiled; a TRITON_CACHE_DIR the user set is kept."""
+    script = tmp_path / "triton_dir.py"
+    script.write_text(TRITON_SCRIPT)
+    proc = run_python([str(script), str(tmp_path / "cache")], timeout=120, TRITON_CACHE_DIR="")  # unset
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.splitlines()[-1] == str(tmp_path / "cache" / "triton"), explain(proc)
+    proc = run_python([str(script), str(tmp_path / "cache")], timeout=120, TRITON_CACHE_DIR=str(tmp_path / "mine"))
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.splitlines()[-1] == str(tmp_path / "mine") and "(as set)" in proc.stdout, explain(proc)

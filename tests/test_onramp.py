@@ -61,6 +61,7 @@ def test_ctrl_c_under_torchrun_saves_though_the_agent_passes_it_on(assets, tmp_p
     last = read_metrics(tmp_path / "runs")[-1]["step"]
     assert ckpts(tmp_path / "runs") == ["latest", f"step_{last:08d}"], err[-4000:]
     assert err.count("Ctrl-C: finishing this step") == 1 and "interrupted: stopped at once" not in err, err[-4000:]
+    assert err.count("stop signal received: saved step") == 1, err[-4000:]  # one line for the job, not per rank
 
 
 # Ctrl-C twice while the second checkpoint is being written (DCP runs the write under `except BaseException` and
