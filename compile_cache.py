@@ -10,9 +10,11 @@ artifacts depend on: the torch version, the GPU, the world size and the rank. A 
 is reported and ignored (the run compiles as without it), never fatal; a save that fails is reported, and training
 goes on. Nothing is saved where nothing was compiled (the CPU: torch.compile is used on GPUs only).
 
-The artifacts leave out the Triton kernels of our own (the engine's attention, sampling and MLP kernels, the update's
+The artifacts leave out the Triton kernels of our own (the engine's attention and sampling kernels, the update's
 log-prob kernels), which Triton compiles on first use into its own cache: use_triton_cache points that cache into
-the same folder, so that a fresh machine finds those compiled as well.
+the same folder (Inductor's and an embedded vLLM's Triton kernels land there too), so that a fresh machine finds
+those compiled as well. Triton notes a kernel's files by absolute path; the cache set here looks them up in its own
+folder instead, so a run folder copied elsewhere, or mounted at another path, still finds them.
 """
 
 from __future__ import annotations
@@ -40,13 +42,47 @@ def _keys(info) -> set[str]:
 
 def use_triton_cache(folder: str) -> str:
     """Triton's kernel cache in `folder`/triton (TRITON_CACHE_DIR, which Triton and Inductor's workers read), unless
-    the environment sets TRITON_CACHE_DIR already; returns what happened, for the log. Call before anything compiles.
-    Triton writes each kernel to a temporary file and renames it, so ranks (and nodes) can share the folder."""
+    the environment sets TRITON_CACHE_DIR to a folder already; returns what happened, for the log. Call before
+    anything compiles. Triton writes each kernel to a temporary file and renames it, so ranks (and nodes) can share
+    the folder. This process's Triton then reads kernel groups from the folder itself (_FolderCache)."""
     if os.environ.get("TRITON_CACHE_DIR"):
         return f"compile cache: Triton kernels cached in TRITON_CACHE_DIR={os.environ['TRITON_CACHE_DIR']} (as set)"
     path = os.path.abspath(os.path.join(folder, "triton"))
     os.environ["TRITON_CACHE_DIR"] = path
+    try:
+        import triton
+
+        if triton.knobs.cache.manager_class is None:  # none named by TRITON_CACHE_MANAGER
+            triton.knobs.cache.manager_class = _folder_cache()  # this process only: Inductor's workers keep Triton's
+    except (ImportError, AttributeError):  # no Triton, or one without knobs: its own cache, absolute paths
+        pass
     return f"compile cache: Triton kernels cached in {path}"
+
+
+def _folder_cache():
+    """Triton's file cache, except that a kernel's group (its files: the binary, its metadata) is looked up in the
+    cache's own folder, not at the absolute paths its group file recorded when it was written."""
+    from triton.runtime.cache import FileCacheManager
+
+    class _FolderCache(FileCacheManager):
+        def get_group(self, filename: str) -> dict[str, str] | None:
+            path = self.get_file(f"__grp__{filename}")
+            if path is None:
+                return None
+            try:
+                with open(path) as f:
+                    children = json.load(f)["child_paths"]
+            except (OSError, ValueError, KeyError, TypeError):  # a torn group file: compile again, as Triton does
+                return None
+            found = {}
+            for name, child in children.items():
+                here = self._make_path(os.path.basename(child))  # the group's files sit beside it
+                if not os.path.exists(here):
+                    return None
+                found[name] = here
+            return found
+
+    return _FolderCache
 
 
 def load(path: str) -> str:

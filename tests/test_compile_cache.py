@@ -11,7 +11,7 @@ import torch
 
 import compile_cache
 from compile_cache import cache_file
-from conftest import explain, run_python
+from conftest import ROOT, explain, run_python
 
 SCRIPT = textwrap.dedent('''
     import json, sys
@@ -61,24 +61,50 @@ def test_the_file_name_holds_what_the_artifacts_depend_on(tmp_path):
 
 
 TRITON_SCRIPT = textwrap.dedent('''
-    import sys
+    import json, os, sys
+    import triton  # imported before the call, as in train_ppo.py
+    from triton.runtime.cache import FileCacheManager, get_cache_manager
     import compile_cache
 
-    said = compile_cache.use_triton_cache(sys.argv[1])
-    import triton  # Triton reads its cache folder from the environment when it compiles
-    print(said)
-    print(triton.knobs.cache.dir)
+    mode, folder = sys.argv[1], sys.argv[2]
+    KEY = "ab" * 32  # a kernel hash, hex
+    if mode != "as-set":
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    said = compile_cache.use_triton_cache(folder)
+    out = {"said": said, "dir": triton.knobs.cache.dir}
+    if mode == "write":  # what Triton's compiler does for a kernel: its files, then the group naming them
+        cache = get_cache_manager(KEY)
+        files = {name: cache.put(b"compiled", name) for name in ("k.cubin", "k.json")}
+        cache.put_group("k.json", files)
+    if mode == "read":
+        out["group"] = get_cache_manager(KEY).get_group("k.json")
+        plain = FileCacheManager(os.path.basename(get_cache_manager(KEY).cache_dir))
+        out["plain"] = plain.get_group("k.json")  # Triton's own lookup: the recorded absolute paths
+    print(json.dumps(out))
 ''')
 
 
-def test_triton_kernels_are_cached_in_the_folder_unless_the_environment_says_where(tmp_path):
-    """Our own Triton kernels are not among torch.compile's artifacts: Triton's cache goes into the folder, so a fresh
-    machine finds them compiled; a TRITON_CACHE_DIR the user set is kept."""
+def test_triton_kernels_are_cached_in_the_folder_and_found_where_it_is_moved(tmp_path):
+    """Our own Triton kernels are not among torch.compile's artifacts: Triton's cache goes into the folder (a
+    relative folder made absolute), so a fresh machine finds them compiled, also where the folder is copied or
+    mounted at another path; a TRITON_CACHE_DIR the user set is kept."""
+    import shutil
+
     script = tmp_path / "triton_dir.py"
     script.write_text(TRITON_SCRIPT)
-    proc = run_python([str(script), str(tmp_path / "cache")], timeout=120, TRITON_CACHE_DIR="")  # unset
-    assert proc.returncode == 0, explain(proc)
-    assert proc.stdout.splitlines()[-1] == str(tmp_path / "cache" / "triton"), explain(proc)
-    proc = run_python([str(script), str(tmp_path / "cache")], timeout=120, TRITON_CACHE_DIR=str(tmp_path / "mine"))
-    assert proc.returncode == 0, explain(proc)
-    assert proc.stdout.splitlines()[-1] == str(tmp_path / "mine") and "(as set)" in proc.stdout, explain(proc)
+
+    def run(mode, folder, **env):
+        proc = run_python([str(script), mode, str(folder)], timeout=120, **env)
+        assert proc.returncode == 0, explain(proc)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = run("write", tmp_path / "a" / "cache")
+    assert first["dir"] == str(tmp_path / "a" / "cache" / "triton"), first
+    shutil.move(tmp_path / "a", tmp_path / "b")  # the run folder, elsewhere
+    moved = run("read", tmp_path / "b" / "cache")
+    kernel = tmp_path / "b" / "cache" / "triton"
+    assert moved["group"] and all(p.startswith(str(kernel)) for p in moved["group"].values()), moved
+    assert moved["plain"] is None, "Triton alone misses a moved folder's kernels (what the lookup is for)"
+    assert run("check", "rel/cache")["dir"] == str(ROOT / "rel" / "cache" / "triton")  # from the launch folder
+    mine = run("as-set", tmp_path / "cache", TRITON_CACHE_DIR=str(tmp_path / "mine"))
+    assert mine["dir"] == str(tmp_path / "mine") and "(as set)" in mine["said"], mine
