@@ -66,17 +66,20 @@ def _folder_cache():
 
     class _FolderCache(FileCacheManager):
         def get_group(self, filename: str) -> dict[str, str] | None:
+            found = super().get_group(filename)  # Triton's own lookup: right where the folder has not moved
+            if found is not None:
+                return found
             path = self.get_file(f"__grp__{filename}")
             if path is None:
                 return None
             try:
                 with open(path) as f:
-                    children = json.load(f)["child_paths"]
+                    children = dict(json.load(f)["child_paths"])
             except (OSError, ValueError, KeyError, TypeError):  # a torn group file: compile again, as Triton does
                 return None
             found = {}
             for name, child in children.items():
-                here = self._make_path(os.path.basename(child))  # the group's files sit beside it
+                here = self._make_path(os.path.basename(str(child)))  # the group's files sit beside it
                 if not os.path.exists(here):
                     return None
                 found[name] = here
