@@ -77,9 +77,9 @@ TRITON_SCRIPT = textwrap.dedent('''
         files = {name: cache.put(b"compiled", name) for name in ("k.cubin", "k.json")}
         cache.put_group("k.json", files)
     if mode == "read":
-        out["group"] = get_cache_manager(KEY).get_group("k.json")
-        plain = FileCacheManager(os.path.basename(get_cache_manager(KEY).cache_dir))
-        out["plain"] = plain.get_group("k.json")  # Triton's own lookup: the recorded absolute paths
+        cache = get_cache_manager(KEY)
+        out["group"] = cache.get_group("k.json")
+        out["plain"] = FileCacheManager.get_group(cache, "k.json")  # Triton's own lookup: the recorded absolute paths
     print(json.dumps(out))
 ''')
 
